@@ -1,0 +1,58 @@
+"""The interface the HTTP gateway uses to talk to an LLM runtime. No torch here."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any
+
+from genserve.srt.messages import GenerateOutput, GenerateRequest
+
+
+class LLMEngineClient(ABC):
+    """An LLM served by the gateway. Implemented by the real runtime (`genserve.srt.engine`)
+    and by test fakes. All methods are called from the gateway's event loop."""
+
+    model_name: str  # id shown in /v1/models
+    context_length: int  # max prompt + output tokens
+
+    @abstractmethod
+    def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Run one request (n == 1). Yields outputs as tokens arrive (every step when
+        `req.stream`, else only the final one); the last has `finished=True`. Raises ValueError
+        for invalid input (bad sampling params, prompt too long) before yielding anything.
+        Closing the iterator early (client gone) aborts the request and frees its KV."""
+
+    @abstractmethod
+    async def abort(self, rid: str) -> bool:
+        """Abort a running or queued request; False if it is unknown."""
+
+    @abstractmethod
+    async def flush_cache(self) -> bool:
+        """Drop the prefix cache; False (and nothing done) while requests are running."""
+
+    @abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text` with the model's tokenizer (adds BOS as the model expects)."""
+
+    @abstractmethod
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render OpenAI-style chat messages with the tokenizer's chat template."""
+
+    @abstractmethod
+    def model_info(self) -> dict[str, Any]:
+        """Static facts: model_path, architecture, dtype, context length, vocab size."""
+
+    @abstractmethod
+    async def server_info(self) -> dict[str, Any]:
+        """Live facts: KV pool size/usage, cache stats, running/waiting requests, integrity."""
+
+    @abstractmethod
+    def is_healthy(self) -> bool:
+        """False once the scheduler process has died."""
+
+    @abstractmethod
+    async def shutdown(self) -> None:
+        """Stop the runtime's processes."""

@@ -1,0 +1,52 @@
+"""What one forward pass of the model runner needs to know about its batch."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from genserve.srt.layers.attention.base import AttentionBackend
+    from genserve.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill: every request adds >= 1 new tokens after a cached prefix
+    DECODE = "decode"  # every request adds exactly one token
+
+
+@dataclass
+class ForwardBatch:
+    """Tensors are on the model's device; the *_cpu lists mirror them for host-side planning.
+
+    Token-major tensors are laid out request after request: request i owns the slice
+    [extend_start_loc[i], extend_start_loc[i] + extend_seq_lens[i]) of `input_ids`,
+    `positions` and `out_cache_loc`. In DECODE mode every extend length is 1.
+    """
+
+    mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64, position of each token in its sequence
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, KV pool slot each new token writes
+    req_pool_indices: torch.Tensor  # [batch] int64, row of each request in req_to_token
+    seq_lens: torch.Tensor  # [batch] int64, prefix + new tokens (length after this forward)
+    extend_prefix_lens: torch.Tensor  # [batch] int64, tokens already in the KV pool
+    extend_seq_lens: torch.Tensor  # [batch] int64, new tokens in this forward
+    extend_start_loc: torch.Tensor  # [batch] int64, exclusive cumsum of extend_seq_lens
+    seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int]
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: MHATokenToKVPool
+    attn_backend: AttentionBackend
+    # Rows of the final hidden states whose logits are needed: the last new token of each
+    # request. [batch] int64.
+    logits_indices: torch.Tensor = field(default=None)  # type: ignore[assignment]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

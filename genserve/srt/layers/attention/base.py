@@ -1,0 +1,40 @@
+"""Attention backends: the only code that reads and writes the paged KV pool."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from genserve.srt.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class AttentionLayerInfo:
+    layer_id: int
+    num_heads: int  # query heads
+    num_kv_heads: int
+    head_dim: int
+    scaling: float  # softmax scale, usually head_dim ** -0.5
+
+
+class AttentionBackend(ABC):
+    """Computes paged attention for one model; one instance per model runner."""
+
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Build per-batch metadata (index arrays, split plans) once, before the first layer."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        layer: AttentionLayerInfo,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Store k/v at `forward_batch.out_cache_loc` in layer `layer.layer_id` of the pool,
+        then attend: each new token sees its request's cached prefix and, causally, the
+        new tokens before it. Returns [num_tokens, num_heads, head_dim] in q's dtype."""

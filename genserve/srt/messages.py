@@ -1,0 +1,73 @@
+"""Typed payloads between the gateway, the tokenizer manager and the scheduler process.
+
+This module must not import torch: the gateway imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class GenerateRequest:
+    """One generation request as the gateway hands it to an `LLMEngineClient`.
+
+    Exactly one of `text` / `input_ids` is set. `sampling_params` is the raw dict of the
+    SGLang `GenerateReqInput.sampling_params`; the engine validates it (ValueError on bad values).
+    The client serves n == 1 only: callers that want n choices submit n requests (with seeds
+    seed, seed + 1, ... when a seed is given); they share the prompt's KV through the cache.
+    """
+
+    rid: str
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass
+class GenerateOutput:
+    """Progress of one request. Text and ids are cumulative; the last one has finished=True.
+
+    finish_reason: None while running, else {"type": "stop" | "length" | "abort",
+    "matched": <stop token id or stop string or None>, "message": <for abort/errors>}.
+    Logprobs are (logprob, token_id) pairs; top logprobs a list of such pairs per output token.
+    """
+
+    rid: str
+    text: str
+    output_ids: list[int]
+    finished: bool
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    e2e_latency: float
+    output_token_logprobs: list[tuple[float, int]] | None = None
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    # Set when the request failed inside the engine (HTTP layer maps it to 5xx / 400).
+    error: str | None = None
+    error_status: int = 500
+
+    def meta_info(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "e2e_latency": self.e2e_latency,
+        }
+        if self.output_token_logprobs is not None:
+            meta["output_token_logprobs"] = [list(p) for p in self.output_token_logprobs]
+        if self.output_top_logprobs is not None:
+            meta["output_top_logprobs"] = [[list(p) for p in row] for row in self.output_top_logprobs]
+        return meta
+
+    def to_dict(self) -> dict[str, Any]:
+        """The SGLang `/generate` response shape."""
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
