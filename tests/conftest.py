@@ -1,6 +1,14 @@
+import os
+import shutil
+
 import pytest
 
-from genserve import envs
+# Triton kernels run on this CPU only through Triton's interpreter, which must be chosen before
+# any kernel module is imported. With a GPU the real compiler is used.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from genserve import envs  # noqa: E402
 
 
 def pytest_configure(config):
