@@ -1,0 +1,43 @@
+"""Gateway settings (the HTTP side; runtime settings live in the engines' own args)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    # None = no auth. Clients send `Authorization: Bearer <key>` or `x-api-key: <key>`.
+    api_key: str | None = None
+    # Bodies above this get 413 (images/edits uploads need a few MB).
+    max_body_bytes: int = 32 * 1024 * 1024
+    # Allowed CORS origins; empty = CORS off (no Access-Control headers at all).
+    cors_origins: tuple[str, ...] = ()
+    # Per LLM: requests the gateway holds at once (running + waiting in the engine). Beyond it
+    # new requests get 503 at once instead of queueing without bound. None = no limit.
+    max_queued_requests: int | None = None
+    # Extra names under which the first LLM is also served (`--served-model-name`).
+    served_model_names: tuple[str, ...] = ()
+    # Seconds between SSE keep-alive comments while a stream has nothing to send (0 = off).
+    sse_keepalive_s: float = 15.0
+    host: str = "127.0.0.1"
+    port: int = 30000
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must be non-empty when given (omit it to disable auth)")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(
+                f"max_queued_requests must be >= 1 (or None for no limit), "
+                f"got {self.max_queued_requests}"
+            )
+        if not isinstance(self.cors_origins, tuple):
+            raise ValueError("cors_origins must be a tuple of origins")
+        if not isinstance(self.served_model_names, tuple):
+            raise ValueError("served_model_names must be a tuple of names")
+        if self.sse_keepalive_s < 0:
+            raise ValueError(f"sse_keepalive_s must be >= 0, got {self.sse_keepalive_s}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")

@@ -1,0 +1,94 @@
+"""ASGI middleware: API-key auth and the request body size limit.
+
+Both are plain ASGI (not BaseHTTPMiddleware) so streaming responses pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from genserve.entrypoints.errors import APIError, payload_too_large, unauthorized
+
+# Paths that stay open when an API key is set (load balancers and Prometheus probe them).
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+class APIKeyMiddleware:
+    """Requires `Authorization: Bearer <key>` or `x-api-key: <key>` on every path but OPEN_PATHS."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        supplied = headers.get(b"x-api-key")
+        auth = headers.get(b"authorization")
+        if auth is not None and auth[:7].lower() == b"bearer ":
+            supplied = auth[7:].strip()
+        # compare_digest: the time taken does not reveal how many leading bytes matched.
+        return supplied is not None and hmac.compare_digest(supplied, self._key)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "http" and scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)  # CORS preflight never carries credentials
+            return
+        headers = dict(scope["headers"])
+        if self._authorized(headers):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
+            return
+        await _send_error(send, unauthorized(), {"www-authenticate": "Bearer"})
+
+
+class BodySizeLimitMiddleware:
+    """413 for bodies over `max_bytes`: at once from Content-Length, else while reading."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > self.max_bytes
+            except ValueError:
+                too_big = False
+            if too_big:
+                await _send_error(send, payload_too_large(self.max_bytes))
+                return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # Raised inside the app, so the APIError handler renders the envelope.
+                    raise payload_too_large(self.max_bytes)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+async def _send_error(send: Send, error: APIError, headers: dict[str, Any] | None = None) -> None:
+    response = error.response()
+    for name, value in (headers or {}).items():
+        response.headers[name] = value
+    await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}

@@ -1,0 +1,1 @@
+"""SGLang-compatible native API: /generate and the runtime control endpoints."""

@@ -1,0 +1,1 @@
+"""OpenAI-compatible API: /v1/completions and /v1/chat/completions."""

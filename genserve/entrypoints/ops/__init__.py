@@ -1,0 +1,1 @@
+"""Health, model listing and Prometheus metrics."""

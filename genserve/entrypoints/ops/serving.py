@@ -1,0 +1,53 @@
+"""Logic behind /health, /v1/models and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from genserve.entrypoints.state import GatewayState
+
+logger = logging.getLogger(__name__)
+
+_SERVER_INFO_TIMEOUT_S = 2.0
+
+
+def health(state: GatewayState) -> tuple[bool, dict[str, Any]]:
+    """(all healthy, per-component report)."""
+    report: dict[str, Any] = {c.model_name: c.is_healthy() for c in state.llm_clients}
+    if state.diffusion_client is not None:
+        report["diffusion"] = bool(state.diffusion_client.is_healthy())
+    return all(report.values()), report
+
+
+def list_models(state: GatewayState) -> dict[str, Any]:
+    created = int(time.time())
+    data: list[dict[str, Any]] = []
+    for name in state.llm_names():
+        client = state.resolve_llm(name)
+        data.append({
+            "id": name, "object": "model", "created": created, "owned_by": "genserve",
+            "kind": "llm", "root": client.model_name, "max_model_len": client.context_length,
+        })
+    if state.diffusion_client is not None:
+        for entry in state.diffusion_client.list_models():
+            item = {"object": "model", "created": created, "owned_by": "genserve"}
+            item.update(entry)
+            data.append(item)
+    return {"object": "list", "data": data}
+
+
+async def render_metrics(state: GatewayState) -> str:
+    """Refresh the engine gauges from each client's server_info, then render everything."""
+    for client in state.llm_clients:
+        if not client.is_healthy():
+            continue
+        try:
+            info = await asyncio.wait_for(client.server_info(), _SERVER_INFO_TIMEOUT_S)
+        except Exception as exc:  # a slow or dead engine must not break scraping
+            logger.warning("server_info failed for %s: %s", client.model_name, exc)
+            continue
+        state.metrics.update_server_info(client.model_name, info)
+    return state.metrics.render()
