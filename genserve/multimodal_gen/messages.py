@@ -1,0 +1,273 @@
+"""Typed payloads of the diffusion engine: requests from the gateway, events back to it, and the
+static facts of a served model (`ModelSpec`).
+
+This module must not import torch: the gateway imports it. numpy is fine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+TEXT_TO_IMAGE = "text-to-image"
+TEXT_TO_VIDEO = "text-to-video"
+TASKS = (TEXT_TO_IMAGE, TEXT_TO_VIDEO)
+
+# ErrorEvent.status values (HTTP semantics).
+STATUS_BAD_INPUT = 400
+STATUS_UNKNOWN_MODEL = 404
+STATUS_CANCELLED = 499
+STATUS_BUG = 500
+STATUS_UNAVAILABLE = 503
+
+
+@dataclass(frozen=True)
+class StepCacheConfig:
+    """DBCache (cache-dit) settings of one request.
+
+    `fn` / `bn`: transformer blocks always computed at the front / back of the stack; the residual
+    of the front blocks decides whether the middle ones are reused. A step is cached when the
+    relative L1 change of that residual is below `residual_diff_threshold` (0 = never cache).
+    `warmup_steps` are always computed; `max_cached_steps` caps cached steps (-1 = no cap).
+    """
+
+    enabled: bool = False
+    residual_diff_threshold: float = 0.08
+    fn: int = 1
+    bn: int = 0
+    warmup_steps: int = 0
+    max_cached_steps: int = -1
+    taylorseer: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.residual_diff_threshold <= 10.0:
+            raise ValueError(
+                "step_cache.residual_diff_threshold must be between 0 and 10, "
+                f"got {self.residual_diff_threshold}"
+            )
+        if self.fn < 1:
+            raise ValueError(f"step_cache.fn (front blocks computed) must be >= 1, got {self.fn}")
+        if self.bn < 0:
+            raise ValueError(f"step_cache.bn (back blocks computed) must be >= 0, got {self.bn}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"step_cache.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.max_cached_steps < -1:
+            raise ValueError(
+                f"step_cache.max_cached_steps must be -1 (no cap) or >= 0, "
+                f"got {self.max_cached_steps}"
+            )
+
+
+@dataclass
+class DiffusionRequest:
+    """One generation request. None fields take the model's defaults (see `ModelSpec`).
+
+    Checks that need the model (size multiple, frame rule, step range) live in
+    `genserve.multimodal_gen.validation.resolve_request`, which raises ValueError.
+    """
+
+    request_id: str
+    model: str
+    prompt: str
+    negative_prompt: str | None = None
+    width: int | None = None
+    height: int | None = None
+    num_frames: int | None = None
+    fps: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+    num_outputs: int = 1
+    step_cache: StepCacheConfig | None = None  # None = the server's default
+    preview: bool = False
+    # 0 = cheap latent->RGB projection every step; N > 0 = full VAE decode every N steps.
+    preview_decode_every: int = 0
+    init_image: bytes | None = None  # encoded image (PNG/JPEG/WebP) for image-to-image
+    strength: float | None = None  # image-to-image: fraction of the schedule re-noised
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt, str):
+            raise ValueError("prompt must be a string")
+        if self.num_outputs < 1:
+            raise ValueError(f"n (number of outputs) must be >= 1, got {self.num_outputs}")
+        if self.preview_decode_every < 0:
+            raise ValueError(
+                f"preview_decode_every must be >= 0, got {self.preview_decode_every}"
+            )
+
+
+@dataclass
+class StepEvent:
+    """`step` denoising steps (1-based) of `total_steps` are done."""
+
+    request_id: str
+    step: int
+    total_steps: int
+    preview: np.ndarray | None = None  # uint8 [num_frames, H, W, 3] of output 0, if req.preview
+
+
+@dataclass
+class ResultEvent:
+    request_id: str
+    outputs: list[np.ndarray]  # one uint8 [num_frames, H, W, 3] per output (1 frame for images)
+    fps: int | None
+    cached_steps: int  # denoising steps served from the step cache (per output)
+    total_steps: int
+    timings: dict[str, float] = field(default_factory=dict)  # ms: queue, denoise, decode, total
+    seeds: list[int] = field(default_factory=list)  # the seed each output used
+
+
+@dataclass
+class ErrorEvent:
+    """400 bad input, 404 unknown model, 499 cancelled, 500 bug, 503 worker dead/queue full."""
+
+    request_id: str
+    message: str
+    status: int
+
+
+DiffusionEvent = StepEvent | ResultEvent | ErrorEvent
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Static facts of one served diffusion model, used for validation and /v1/models."""
+
+    name: str
+    task: str  # TEXT_TO_IMAGE | TEXT_TO_VIDEO
+    family: str  # "flux", "sd3", "sd", "wan", "ltx"
+    size_factor: int  # width and height must be multiples of this
+    max_pixels: int  # width * height cap
+    default_width: int
+    default_height: int
+    default_steps: int
+    default_guidance: float
+    min_steps: int = 1
+    max_steps: int = 200
+    min_guidance: float = 0.0
+    max_guidance: float = 30.0
+    default_num_frames: int = 1
+    frame_rule: str = "1"  # "1" (images), "4k+1" (Wan), "8k+1" (LTX), "any"
+    max_num_frames: int = 1
+    default_fps: int | None = None
+    supports_negative_prompt: bool = True
+    supports_image_to_image: bool = False
+    source: str = ""  # folder, hub id or "embedded"
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.size_factor < 1 or self.max_pixels < 1:
+            raise ValueError("size_factor and max_pixels must be positive")
+        if not self.min_steps <= self.default_steps <= self.max_steps:
+            raise ValueError("default_steps must lie in [min_steps, max_steps]")
+
+    def frame_count_ok(self, num_frames: int) -> bool:
+        """Whether the model can produce exactly `num_frames` frames."""
+        if num_frames < 1 or num_frames > self.max_num_frames:
+            return False
+        if self.frame_rule == "any":
+            return True
+        if self.frame_rule == "1":
+            return num_frames == 1
+        k, _, one = self.frame_rule.partition("k+")
+        return (num_frames - int(one)) % int(k) == 0
+
+    def to_model_card(self) -> dict[str, Any]:
+        """The /v1/models entry."""
+        card: dict[str, Any] = {
+            "id": self.name,
+            "object": "model",
+            "owned_by": "genserve",
+            "kind": "diffusion",
+            "task": self.task,
+            "family": self.family,
+            "default_size": f"{self.default_width}x{self.default_height}",
+            "size_factor": self.size_factor,
+            "max_pixels": self.max_pixels,
+            "default_steps": self.default_steps,
+        }
+        if self.task == TEXT_TO_VIDEO:
+            card.update(
+                default_num_frames=self.default_num_frames,
+                frame_rule=self.frame_rule,
+                default_fps=self.default_fps,
+            )
+        return card
+
+
+# ---- gateway process <-> worker process (multiprocessing queues; pickled) ----
+
+
+@dataclass
+class WorkerSubmit:
+    """A validated request with every default filled in (see validation.ResolvedRequest)."""
+
+    request: Any  # ResolvedRequest
+
+
+@dataclass
+class WorkerCancel:
+    request_id: str
+
+
+@dataclass
+class WorkerShutdown:
+    pass
+
+
+@dataclass
+class WorkerReady:
+    """First message of the worker: the models it loaded, or why it could not start."""
+
+    specs: list[ModelSpec]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ResolvedRequest:
+    """A request after validation against its `ModelSpec`: every field concrete.
+
+    Output i uses seed `seeds[i]`, so a request's outputs do not depend on what it is batched
+    with. `batch_key` groups requests that may run as one pipeline call.
+    """
+
+    request_id: str
+    model: str
+    prompt: str
+    negative_prompt: str | None
+    width: int
+    height: int
+    num_frames: int
+    fps: int | None
+    num_inference_steps: int
+    guidance_scale: float
+    seeds: tuple[int, ...]
+    step_cache: StepCacheConfig
+    preview: bool
+    preview_decode_every: int
+    init_image: bytes | None
+    strength: float | None
+    submitted_at: float  # time.time() when the gateway accepted it
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.seeds)
+
+    @property
+    def batch_key(self) -> tuple:
+        # Requests agreeing on everything that shapes the pipeline call can share it. Image-to-image
+        # requests run alone (each has its own init image).
+        return (
+            self.model,
+            self.width,
+            self.height,
+            self.num_frames,
+            self.num_inference_steps,
+            self.guidance_scale,
+            self.negative_prompt is not None,
+            self.step_cache,
+            self.init_image is not None and self.request_id,
+        )

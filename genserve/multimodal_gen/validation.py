@@ -1,0 +1,135 @@
+"""Check a `DiffusionRequest` against its model's `ModelSpec` and fill in the defaults.
+
+Runs in the gateway process (no torch), so bad input is answered before it reaches the worker.
+Every message says what was wrong and what would be accepted; nothing is rounded silently.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from genserve.multimodal_gen.messages import (
+    TEXT_TO_VIDEO,
+    DiffusionRequest,
+    ModelSpec,
+    ResolvedRequest,
+    StepCacheConfig,
+)
+
+MAX_OUTPUTS = 8
+MAX_SEED = 2**63 - 1
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """'WxH' -> (width, height); ValueError for anything else."""
+    parts = str(size).lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"size must look like '512x512' (WIDTHxHEIGHT in pixels), got {size!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def _check_size(width: int, height: int, spec: ModelSpec) -> None:
+    f = spec.size_factor
+    for name, value in (("width", width), ("height", height)):
+        if value < f:
+            raise ValueError(
+                f"{name} must be at least {f} pixels for model {spec.name}, got {value}"
+            )
+        if value % f:
+            lo, hi = value - value % f, value - value % f + f
+            raise ValueError(
+                f"{name} {value} is not a multiple of {f}, which model {spec.name} requires; "
+                f"use {lo} or {hi}"
+            )
+    if width * height > spec.max_pixels:
+        raise ValueError(
+            f"size {width}x{height} has {width * height} pixels, over the cap of "
+            f"{spec.max_pixels} for model {spec.name}; ask for a smaller size"
+        )
+
+
+def _check_frames(num_frames: int, spec: ModelSpec) -> None:
+    if spec.task != TEXT_TO_VIDEO:
+        if num_frames != 1:
+            raise ValueError(f"model {spec.name} makes images; num_frames must be 1")
+        return
+    if spec.frame_count_ok(num_frames):
+        return
+    if num_frames > spec.max_num_frames:
+        raise ValueError(
+            f"num_frames {num_frames} is over the cap of {spec.max_num_frames} for model "
+            f"{spec.name}"
+        )
+    k, _, one = spec.frame_rule.partition("k+")
+    k_i, one_i = int(k), int(one)
+    below = max(one_i, ((num_frames - one_i) // k_i) * k_i + one_i)
+    raise ValueError(
+        f"num_frames {num_frames} does not fit model {spec.name}: it needs {spec.frame_rule} "
+        f"frames (k a whole number, e.g. {below} or {below + k_i})"
+    )
+
+
+def _check_steps_guidance(steps: int, guidance: float, spec: ModelSpec) -> None:
+    if not spec.min_steps <= steps <= spec.max_steps:
+        raise ValueError(
+            f"num_inference_steps must be between {spec.min_steps} and {spec.max_steps}, "
+            f"got {steps}"
+        )
+    if not spec.min_guidance <= guidance <= spec.max_guidance:
+        raise ValueError(
+            f"guidance_scale must be between {spec.min_guidance} and {spec.max_guidance}, "
+            f"got {guidance}"
+        )
+
+
+def resolve_request(
+    req: DiffusionRequest, spec: ModelSpec, default_step_cache: StepCacheConfig
+) -> ResolvedRequest:
+    """Validate `req` for `spec`; returns it with every default filled in. Raises ValueError."""
+    if not req.prompt.strip():
+        raise ValueError("prompt must not be empty")
+    if req.num_outputs > MAX_OUTPUTS:
+        raise ValueError(f"n must be between 1 and {MAX_OUTPUTS}, got {req.num_outputs}")
+    width = spec.default_width if req.width is None else int(req.width)
+    height = spec.default_height if req.height is None else int(req.height)
+    _check_size(width, height, spec)
+    num_frames = spec.default_num_frames if req.num_frames is None else int(req.num_frames)
+    _check_frames(num_frames, spec)
+    steps = spec.default_steps if req.num_inference_steps is None else int(req.num_inference_steps)
+    guidance = spec.default_guidance if req.guidance_scale is None else float(req.guidance_scale)
+    _check_steps_guidance(steps, guidance, spec)
+    fps = req.fps if req.fps is not None else spec.default_fps
+    if fps is not None and not 1 <= fps <= 120:
+        raise ValueError(f"fps must be between 1 and 120, got {fps}")
+    if req.negative_prompt is not None and not spec.supports_negative_prompt:
+        raise ValueError(f"model {spec.name} does not take a negative_prompt")
+    if req.init_image is not None and not spec.supports_image_to_image:
+        raise ValueError(f"model {spec.name} does not support image edits (image-to-image)")
+    strength = req.strength
+    if req.init_image is not None:
+        strength = 0.8 if strength is None else float(strength)
+        if not 0.0 < strength <= 1.0:
+            raise ValueError(f"strength must be in (0, 1], got {strength}")
+    seed = random.randrange(0, MAX_SEED - MAX_OUTPUTS) if req.seed is None else int(req.seed)
+    if not 0 <= seed <= MAX_SEED - MAX_OUTPUTS:
+        raise ValueError(f"seed must be between 0 and {MAX_SEED - MAX_OUTPUTS}, got {seed}")
+    return ResolvedRequest(
+        request_id=req.request_id,
+        model=spec.name,
+        prompt=req.prompt,
+        negative_prompt=req.negative_prompt,
+        width=width,
+        height=height,
+        num_frames=num_frames,
+        fps=fps,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        seeds=tuple(seed + i for i in range(req.num_outputs)),
+        step_cache=req.step_cache if req.step_cache is not None else default_step_cache,
+        preview=req.preview,
+        preview_decode_every=req.preview_decode_every,
+        init_image=req.init_image,
+        strength=strength,
+        submitted_at=time.time(),
+    )
