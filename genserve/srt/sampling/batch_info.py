@@ -84,7 +84,7 @@ class SamplingBatchInfo:
             raise ValueError("cannot build SamplingBatchInfo for an empty batch")
         device = torch.device(device)
         greedy = [p.is_greedy for p in params]
-        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
         top_ks = [vocab_size if p.top_k < 1 else min(p.top_k, vocab_size) for p in params]
         top_ps = [p.top_p for p in params]
         min_ps = [p.min_p for p in params]
@@ -130,7 +130,7 @@ class SamplingBatchInfo:
             # Rows with penalty 1.0 are left empty: dividing by 1 changes nothing.
             seen_lists = [
                 list(prompt) + list(out) if p.repetition_penalty != 1.0 else []
-                for p, prompt, out in zip(params, prompt_ids, output_ids)
+                for p, prompt, out in zip(params, prompt_ids, output_ids, strict=True)
             ]
             self.seen_tokens = token_counts(seen_lists, vocab, device) > 0
             self.repetition_penalties = torch.tensor(
@@ -139,7 +139,7 @@ class SamplingBatchInfo:
         if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
             out_lists = [
                 list(out) if (p.frequency_penalty or p.presence_penalty) else []
-                for p, out in zip(params, output_ids)
+                for p, out in zip(params, output_ids, strict=True)
             ]
             self.output_counts = token_counts(out_lists, vocab, device)
             pens = torch.tensor(
@@ -158,7 +158,7 @@ class SamplingBatchInfo:
             return
         eos = tuple(eos_token_ids)
         self._min_tokens_left = [
-            max(p.min_new_tokens - len(out), 0) for p, out in zip(params, output_ids)
+            max(p.min_new_tokens - len(out), 0) for p, out in zip(params, output_ids, strict=True)
         ]
         self._banned_ids = [
             tuple(t for t in sorted(set(eos) | set(p.stop_token_ids)) if 0 <= t < self.vocab_size)
@@ -169,15 +169,16 @@ class SamplingBatchInfo:
     def _refresh_token_mask(self) -> None:
         rows: list[int] = []
         cols: list[int] = []
-        for row, (left, banned) in enumerate(zip(self._min_tokens_left, self._banned_ids)):
+        pairs = zip(self._min_tokens_left, self._banned_ids, strict=True)
+        for row, (left, banned) in enumerate(pairs):
             if left > 0:
                 rows.extend([row] * len(banned))
                 cols.extend(banned)
         if not rows:
             self.mask_rows = self.mask_cols = None
             return
-        pairs = torch.tensor([rows, cols], dtype=torch.long).to(self.device)
-        self.mask_rows, self.mask_cols = pairs[0], pairs[1]
+        index = torch.tensor([rows, cols], dtype=torch.long).to(self.device)
+        self.mask_rows, self.mask_cols = index[0], index[1]
 
     def append_output_tokens(self, next_token_ids: torch.Tensor) -> None:
         """Account for one new output token per row (same rows, same order as at build time).
