@@ -1,0 +1,57 @@
+"""Configuration of the LLM runtime (one frozen dataclass, validated on construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
+ATTENTION_BACKENDS = ("torch", "triton")
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model_path: str | None = None  # HF folder, .gguf file, or None for the embedded SmolLM2
+    dtype: str = "bfloat16"
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    attention_backend: str | None = None  # None = triton on CUDA, torch on CPU
+    max_total_tokens: int | None = None  # KV pool size in tokens; None = from mem_fraction
+    mem_fraction: float = 0.1  # share of free (GPU or host) memory given to the KV pool
+    schedule_policy: str = "fcfs"
+    chunked_prefill_size: int = 2048  # prefill token budget per forward; longer prompts chunk
+    max_running_requests: int = 64
+    context_length: int | None = None  # None = the model's max_position_embeddings
+    disable_radix_cache: bool = False
+    page_size: int = 1
+    max_queued_requests: int | None = None  # None = unbounded waiting queue
+    random_seed: int = 0
+    num_threads: int = 0  # torch threads in the scheduler process; 0 = torch default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            )
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+        if not 0 < self.mem_fraction <= 0.95:
+            raise ValueError(f"mem_fraction must be in (0, 0.95], got {self.mem_fraction}")
+        if self.chunked_prefill_size < 16:
+            raise ValueError(f"chunked_prefill_size must be >= 16, got {self.chunked_prefill_size}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.context_length is not None and self.context_length < 8:
+            raise ValueError(f"context_length must be >= 8, got {self.context_length}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
