@@ -1,0 +1,246 @@
+"""Running requests through an `LLMEngineClient` on behalf of one HTTP request.
+
+Shared by the native and OpenAI families: admission (503 when full), context-length checks
+(400 with the numbers), error mapping, metrics timing, and abort on client disconnect.
+
+Disconnects are caught two ways: a watcher task that sees `http.disconnect` and aborts the
+engine requests (works while the engine is silent, and for non-streaming requests), and a
+shielded `finally` that closes the engine iterators when Starlette cancels a streaming body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import anyio
+from fastapi import Request
+
+from genserve.entrypoints.errors import APIError, bad_request
+from genserve.entrypoints.metrics import RequestTimer
+from genserve.entrypoints.state import GatewayState
+from genserve.srt.client import LLMEngineClient
+from genserve.srt.messages import GenerateOutput, GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+# Texts longer than this are tokenized in a worker thread so the event loop stays responsive.
+_INLINE_TOKENIZE_CHARS = 4096
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+async def tokenize(client: LLMEngineClient, text: str) -> list[int]:
+    if len(text) <= _INLINE_TOKENIZE_CHARS:
+        return client.tokenize(text)
+    return await asyncio.to_thread(client.tokenize, text)
+
+
+def check_context(client: LLMEngineClient, prompt_len: int, max_new_tokens: int | None,
+                  max_tokens_name: str = "max_new_tokens") -> None:
+    """400 when the prompt, or prompt + output budget, does not fit the context."""
+    limit = client.context_length
+    if prompt_len == 0:
+        raise bad_request("The prompt is empty.", param="prompt")
+    if prompt_len >= limit:
+        raise bad_request(
+            f"The prompt has {prompt_len} tokens but the model's context length is {limit} "
+            f"tokens (at least one must be left to generate).", param="prompt",
+            code="context_length_exceeded")
+    if max_new_tokens is not None and prompt_len + max_new_tokens > limit:
+        raise bad_request(
+            f"The prompt has {prompt_len} tokens and {max_tokens_name} is {max_new_tokens}: "
+            f"{prompt_len + max_new_tokens} tokens exceed the model's context length of "
+            f"{limit}. Lower {max_tokens_name} to at most {limit - prompt_len}.",
+            param=max_tokens_name, code="context_length_exceeded")
+
+
+def output_error(out: GenerateOutput) -> APIError | None:
+    """The HTTP error an engine output carries, if any."""
+    if out.error is None:
+        return None
+    status = out.error_status if 400 <= out.error_status <= 599 else 500
+    return APIError(status, out.error)
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns once the client has gone (the request body has already been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class GenerationGroup:
+    """The engine requests serving one HTTP request (n choices, batch prompts), as one unit.
+
+    Use as `async with`: entering admits the requests (503 when the queue is full) and starts
+    the disconnect watcher; leaving aborts whatever has not finished.
+    """
+
+    def __init__(self, state: GatewayState, client: LLMEngineClient,
+                 reqs: Sequence[GenerateRequest], request: Request | None) -> None:
+        self.state = state
+        self.client = client
+        self.reqs = list(reqs)
+        self.request = request
+        self.timers = [RequestTimer(state.metrics, client.model_name) for _ in self.reqs]
+        self.finished: set[str] = set()
+        self.disconnected = False
+        self._iters: list[AsyncIterator[GenerateOutput]] = []
+        self._stack = ExitStack()
+        self._watcher: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> GenerationGroup:
+        self._stack.enter_context(self.state.admit(self.client, len(self.reqs)))
+        if self.request is not None:
+            self._watcher = asyncio.create_task(self._watch(self.request))
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Abort what has not finished and release the queue slots; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        # Shielded: when Starlette cancels a streaming body, cleanup must still run to the end.
+        with anyio.CancelScope(shield=True):
+            if self._watcher is not None:
+                self._watcher.cancel()
+            for it in self._iters:
+                try:
+                    await it.aclose()  # type: ignore[attr-defined]
+                except Exception as exc:  # cleanup must reach every request
+                    logger.warning("closing a generation stream failed: %s", exc)
+            for req, timer in zip(self.reqs, self.timers, strict=True):
+                if req.rid not in self.finished:
+                    await self._abort(req.rid)
+                    timer.finish(None, "abort")
+            self._stack.close()
+
+    async def _abort(self, rid: str) -> None:
+        try:
+            await self.client.abort(rid)
+        except Exception as exc:
+            logger.warning("abort of %s failed: %s", rid, exc)
+
+    async def _watch(self, request: Request) -> None:
+        await wait_disconnect(request)
+        self.disconnected = True
+        logger.info("client disconnected; aborting %d request(s)", len(self.reqs))
+        for req in self.reqs:
+            if req.rid not in self.finished:
+                await self._abort(req.rid)
+
+    def _start(self, index: int) -> AsyncIterator[GenerateOutput]:
+        try:
+            it = self.client.generate(self.reqs[index])
+        except ValueError as exc:
+            raise bad_request(str(exc)) from exc
+        self._iters.append(it)
+        return it
+
+    async def stream(self, index: int) -> AsyncIterator[GenerateOutput]:
+        """Outputs of request `index`; raises APIError for engine-reported errors."""
+        req, timer = self.reqs[index], self.timers[index]
+        it = self._start(index)
+        while True:
+            try:
+                out = await it.__anext__()
+            except StopAsyncIteration:
+                return
+            except ValueError as exc:  # invalid input found by the engine
+                raise bad_request(str(exc)) from exc
+            error = output_error(out)
+            if error is not None:
+                self.finished.add(req.rid)
+                timer.finish(out, "error")
+                raise error
+            timer.on_output(out)
+            if out.finished:
+                self.finished.add(req.rid)
+                timer.finish(out)
+            yield out
+            if out.finished:
+                return
+
+    async def final(self, index: int) -> GenerateOutput:
+        last: GenerateOutput | None = None
+        async for out in self.stream(index):
+            last = out
+        if last is None:
+            raise APIError(500, "The engine ended the request without a result.")
+        return last
+
+    async def finals(self) -> list[GenerateOutput]:
+        """Final outputs of every request, run concurrently."""
+        if len(self.reqs) == 1:
+            return [await self.final(0)]
+        return list(await asyncio.gather(*(self.final(i) for i in range(len(self.reqs)))))
+
+    async def merged(self) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        """(index, output) from every request as they arrive."""
+        if len(self.reqs) == 1:
+            async for out in self.stream(0):
+                yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, GenerateOutput | BaseException | None]] = (
+            asyncio.Queue())
+
+        async def pump(i: int) -> None:
+            try:
+                async for out in self.stream(i):
+                    await queue.put((i, out))
+                await queue.put((i, None))
+            except BaseException as exc:  # forwarded to the consumer
+                await queue.put((i, exc))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.reqs))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+async def primed(items: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """Fetch the first item now (so errors become a proper HTTP status before any byte is
+    sent), then return an iterator that yields it and the rest."""
+    try:
+        first = await items.__anext__()
+    except StopAsyncIteration:
+        first = _EMPTY
+
+    async def rest() -> AsyncIterator[Any]:
+        if first is _EMPTY:
+            return
+        yield first
+        async for item in items:
+            yield item
+
+    return rest()
+
+
+_EMPTY = object()
+
+
+def supports_grammar(client: LLMEngineClient) -> bool:
+    """Whether the engine does constrained decoding (json_schema / regex / ebnf)."""
+    return bool(client.model_info().get("grammar_backend"))

@@ -1,0 +1,65 @@
+"""Request shapes of the native API (SGLang's `GenerateReqInput` and friends).
+
+Unknown fields are rejected (400 naming the field) rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingParams(_Strict):
+    """Passed to the engine as the dict of the fields the client set; the engine checks values."""
+
+    max_new_tokens: int | None = Field(default=None, ge=0)
+    min_new_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    n: int | None = Field(default=None, ge=1, le=128)
+    seed: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def to_engine(self) -> dict[str, Any]:
+        params = self.model_dump(exclude_none=True)
+        params.pop("n", None)  # the gateway fans n out into n engine requests
+        return params
+
+
+class GenerateReqInput(_Strict):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(default=0, ge=0, le=20)
+    logprob_start_len: int = -1  # only output-token logprobs are returned
+    return_text_in_logprobs: bool = False
+    rid: str | list[str] | None = None
+    cache_salt: str | list[str] | None = None
+    image_data: Any = None
+    lora_path: Any = None
+    # Extension: which LLM serves the request when several are served (default: the first).
+    model: str | None = None
+
+
+class AbortReq(_Strict):
+    rid: str = Field(min_length=1)

@@ -1,0 +1,207 @@
+"""Logic of the native API: /generate (single, batch, n, stream) and runtime control."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from genserve import __version__
+from genserve.entrypoints import sse
+from genserve.entrypoints.errors import APIError, bad_request, not_found, service_unavailable
+from genserve.entrypoints.generation import (
+    GenerationGroup,
+    check_context,
+    new_rid,
+    primed,
+    supports_grammar,
+    tokenize,
+)
+from genserve.entrypoints.native.protocol import GenerateReqInput, SamplingParams
+from genserve.entrypoints.state import GatewayState
+from genserve.srt.client import LLMEngineClient
+from genserve.srt.messages import GenerateOutput, GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    """Broadcast a scalar field, or check a per-prompt list has one entry per prompt."""
+    if isinstance(value, list):
+        if len(value) != count:
+            raise bad_request(f"{name} has {len(value)} entries but there are {count} prompts.",
+                              param=name)
+        return value
+    return [value] * count
+
+
+async def _prompts(client: LLMEngineClient, body: GenerateReqInput) -> tuple[list[list[int]], bool]:
+    """Token ids of every prompt, and whether the request was a batch (list form)."""
+    if (body.text is None) == (body.input_ids is None):
+        raise bad_request("Give exactly one of 'text' or 'input_ids'.", param="text")
+    if body.text is not None:
+        texts = body.text if isinstance(body.text, list) else [body.text]
+        return [await tokenize(client, t) for t in texts], isinstance(body.text, list)
+    ids = body.input_ids or []
+    if ids and isinstance(ids[0], list):
+        return [list(p) for p in ids], True  # type: ignore[arg-type]
+    return [list(ids)], False  # type: ignore[arg-type]
+
+
+async def build_requests(client: LLMEngineClient, body: GenerateReqInput
+                         ) -> tuple[list[GenerateRequest], bool]:
+    if body.image_data is not None:
+        raise bad_request(f"Model {client.model_name!r} does not take image inputs.",
+                          param="image_data")
+    if body.lora_path is not None:
+        raise bad_request("LoRA adapters are not supported.", param="lora_path")
+    prompts, is_batch = await _prompts(client, body)
+    if not prompts:
+        raise bad_request("The batch is empty.", param="text")
+    count = len(prompts)
+    params = _per_prompt(body.sampling_params or SamplingParams(), count, "sampling_params")
+    rids = _per_prompt(body.rid, count, "rid")
+    salts = _per_prompt(body.cache_salt, count, "cache_salt")
+    reqs: list[GenerateRequest] = []
+    for ids, sp, rid, salt in zip(prompts, params, rids, salts, strict=True):
+        engine_params = sp.to_engine()
+        if (sp.json_schema or sp.regex or sp.ebnf) and not supports_grammar(client):
+            raise bad_request("Constrained decoding (json_schema / regex / ebnf) is not "
+                              "supported by this engine yet.", param="sampling_params")
+        check_context(client, len(ids), sp.max_new_tokens)
+        n = sp.n or 1
+        base_rid = rid or new_rid()
+        for i in range(n):
+            p = dict(engine_params)
+            if sp.seed is not None:
+                p["seed"] = sp.seed + i
+            reqs.append(GenerateRequest(
+                rid=base_rid if n == 1 else f"{base_rid}-{i}", input_ids=ids,
+                sampling_params=p, stream=body.stream, return_logprob=body.return_logprob,
+                top_logprobs_num=body.top_logprobs_num, cache_salt=salt))
+        is_batch = is_batch or n > 1  # SGLang answers n > 1 with a list
+    return reqs, is_batch
+
+
+def _render(client: LLMEngineClient, out: GenerateOutput, with_text: bool) -> dict[str, Any]:
+    result = out.to_dict()
+    decode = getattr(client, "decode", None)
+    if with_text and decode is not None:
+        meta = result["meta_info"]
+        if "output_token_logprobs" in meta:
+            meta["output_token_logprobs"] = [
+                [lp, tid, decode([tid])] for lp, tid in meta["output_token_logprobs"]]
+        if "output_top_logprobs" in meta:
+            meta["output_top_logprobs"] = [[[lp, tid, decode([tid])] for lp, tid in row]
+                                           for row in meta["output_top_logprobs"]]
+    return result
+
+
+async def generate(state: GatewayState, body: GenerateReqInput, request: Request) -> Response:
+    client = state.resolve_llm(body.model)
+    reqs, is_batch = await build_requests(client, body)
+    group = GenerationGroup(state, client, reqs, request)
+    await group.__aenter__()
+    try:
+        if not body.stream:
+            outs = await group.finals()
+            await group.__aexit__(None, None, None)
+            rendered = [_render(client, o, body.return_text_in_logprobs) for o in outs]
+            return JSONResponse(rendered if is_batch else rendered[0])
+        events = await primed(group.merged())
+    except BaseException:
+        await group.__aexit__(None, None, None)
+        raise
+    return sse.response(_stream(client, group, events, is_batch, body.return_text_in_logprobs),
+                        on_close=group.close)
+
+
+async def _stream(client: LLMEngineClient, group: GenerationGroup,
+                  events: AsyncIterator[tuple[int, GenerateOutput]], is_batch: bool,
+                  with_text: bool) -> AsyncIterator[bytes]:
+    try:
+        async for index, out in events:
+            chunk = _render(client, out, with_text)
+            if is_batch:
+                chunk["index"] = index
+            yield sse.event(chunk)
+    except APIError as exc:  # headers are sent: report in-band, as SGLang does
+        yield sse.event(exc.body())
+    finally:
+        await group.__aexit__(None, None, None)
+    yield sse.DONE
+
+
+async def health_generate(state: GatewayState) -> Response:
+    """200 once every LLM produced one token; 503 otherwise."""
+    for client in state.llm_clients:
+        if not client.is_healthy():
+            raise service_unavailable(f"The engine serving {client.model_name!r} is down.")
+        rid = f"health-{new_rid()}"
+        req = GenerateRequest(rid=rid, input_ids=client.tokenize("Hello"),
+                              sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+        try:
+            error = await asyncio.wait_for(_run_to_end(client, req), _HEALTH_GENERATE_TIMEOUT_S)
+        except (TimeoutError, asyncio.TimeoutError):
+            await client.abort(rid)
+            raise service_unavailable(
+                f"{client.model_name!r} did not generate a token within "
+                f"{_HEALTH_GENERATE_TIMEOUT_S:.0f} s.") from None
+        if error is not None:
+            raise service_unavailable(f"Health generation failed: {error}")
+    return JSONResponse({"status": "ok"})
+
+
+async def _run_to_end(client: LLMEngineClient, req: GenerateRequest) -> str | None:
+    """Error message of the request, or None when it produced its output."""
+    try:
+        async for out in client.generate(req):
+            if out.error is not None:
+                return out.error
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def model_info(state: GatewayState, model: str | None) -> dict[str, Any]:
+    client = state.resolve_llm(model)
+    info = {"model_name": client.model_name, "context_length": client.context_length,
+            "is_generation": True}
+    info.update(client.model_info())
+    return info
+
+
+async def server_info(state: GatewayState, model: str | None) -> dict[str, Any]:
+    client = state.resolve_llm(model)
+    info: dict[str, Any] = {
+        "version": __version__, "model_name": client.model_name,
+        "gateway_in_flight_reqs": state.in_flight.get(client.model_name, 0),
+        "max_queued_requests": state.config.max_queued_requests,
+    }
+    info.update(await client.server_info())
+    state.metrics.update_server_info(client.model_name, info)
+    info["time"] = time.time()
+    return info
+
+
+async def flush_cache(state: GatewayState, model: str | None) -> dict[str, Any]:
+    client = state.resolve_llm(model)
+    if not await client.flush_cache():
+        raise bad_request("Cannot flush the cache while requests are running; retry when idle.",
+                          code="requests_running")
+    return {"success": True, "message": "Cache flushed."}
+
+
+async def abort_request(state: GatewayState, rid: str, model: str | None) -> dict[str, Any]:
+    clients = [state.resolve_llm(model)] if model else state.llm_clients
+    for client in clients:
+        if await client.abort(rid):
+            return {"success": True, "rid": rid}
+    raise not_found(f"No running or queued request has rid {rid!r}.", param="rid")

@@ -1,0 +1,67 @@
+"""Routes of the realtime video feature: the WebSocket and the static web UI.
+
+`/` serves `genserve/webui/index.html`; its assets live under `/ui/` (no API route starts with
+it). Only the files listed in `UI_ASSETS` are served, so no path can reach outside the folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, WebSocket
+from fastapi.responses import FileResponse
+
+from genserve.entrypoints.errors import not_found
+from genserve.entrypoints.realtime.serving import RealtimeServing
+from genserve.multimodal_gen.client import DiffusionEngineClient
+
+WEBUI_DIR = Path(__file__).resolve().parents[2] / "webui"
+UI_ASSETS = {
+    "styles.css": "text/css; charset=utf-8",
+    "app.js": "text/javascript; charset=utf-8",
+    "decoder_worker.js": "text/javascript; charset=utf-8",
+}
+# The UI is small and changes with the server version: always revalidate.
+_NO_CACHE = {"Cache-Control": "no-cache"}
+DEFAULT_MAX_REALTIME_SESSIONS = 4
+
+
+def build_router(diffusion_client: DiffusionEngineClient, config: Any) -> APIRouter:
+    """The realtime WebSocket (`/v1/realtime/video`) and web UI routes for `diffusion_client`.
+
+    `config` is the gateway's GatewayConfig; `max_realtime_sessions` caps concurrent sessions.
+    """
+    max_sessions = getattr(config, "max_realtime_sessions", DEFAULT_MAX_REALTIME_SESSIONS)
+    serving = RealtimeServing(diffusion_client, max_sessions)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            serving.close()
+
+    router = APIRouter(lifespan=lifespan)
+    router.realtime_serving = serving  # type: ignore[attr-defined]  # for tests' integrity checks
+
+    @router.websocket("/v1/realtime/video")
+    async def realtime_video(websocket: WebSocket) -> None:
+        await serving.handle(websocket)
+
+    @router.get("/", include_in_schema=False)
+    async def index() -> FileResponse:
+        return FileResponse(
+            WEBUI_DIR / "index.html", media_type="text/html; charset=utf-8", headers=_NO_CACHE
+        )
+
+    @router.get("/ui/{name}", include_in_schema=False)
+    async def ui_asset(name: str) -> FileResponse:
+        media_type = UI_ASSETS.get(name)
+        if media_type is None:
+            raise not_found(f"No web UI file named {name!r}.")
+        return FileResponse(WEBUI_DIR / name, media_type=media_type, headers=_NO_CACHE)
+
+    return router

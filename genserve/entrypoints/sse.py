@@ -1,0 +1,28 @@
+"""Server-sent events framing: `data: <json>\\n\\n`, ending with `data: [DONE]`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
+DONE = b"data: [DONE]\n\n"
+
+
+def event(payload: Any) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() \
+        + b"\n\n"
+
+
+def response(body: Any, on_close: Callable[[], Awaitable[None]] | None = None
+             ) -> StreamingResponse:
+    """`on_close` also runs when the client leaves before the body starts (then the body
+    generator never runs, so its `finally` cannot be relied on alone)."""
+    return StreamingResponse(
+        body, media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        background=BackgroundTask(on_close) if on_close is not None else None,
+    )

@@ -1,0 +1,64 @@
+"""A real uvicorn server on 127.0.0.1 (free port) around the gateway and a fake engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import uvicorn
+from gateway_fakes import FakeEngine
+
+from genserve.entrypoints.app import create_app
+from genserve.entrypoints.config import GatewayConfig
+
+
+@dataclass
+class RunningServer:
+    url: str
+    engine: FakeEngine
+    config: GatewayConfig
+
+
+class _Server(uvicorn.Server):
+    def install_signal_handlers(self) -> None:  # runs in a thread: no signal handlers
+        pass
+
+
+def start_server(app: Any) -> tuple[_Server, threading.Thread, str]:
+    server = _Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                    lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def make_server() -> Iterator[Callable[..., RunningServer]]:
+    started: list[tuple[_Server, threading.Thread]] = []
+
+    def factory(engine: FakeEngine | None = None, **config: Any) -> RunningServer:
+        engine = engine or FakeEngine()
+        cfg = GatewayConfig(**config)
+        server, thread, url = start_server(create_app(cfg, [engine]))
+        started.append((server, thread))
+        return RunningServer(url, engine, cfg)
+
+    yield factory
+    for server, thread in started:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def server(make_server: Callable[..., RunningServer]) -> RunningServer:
+    return make_server()
