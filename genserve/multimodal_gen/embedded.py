@@ -1,0 +1,196 @@
+"""Embedded offline diffusion models: real diffusers pipelines built from tiny configs with seeded
+random weights and an inline word-level tokenizer. Nothing is downloaded.
+
+They draw noise-like pictures (the weights are random) but exercise every code path of the real
+families: text encoding, the transformer denoising loop, the VAE, batching, caching and previews.
+Runs in the worker process (imports torch).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+EMBEDDED_NAMES = ("tiny-flux", "tiny-wan")
+_VOCAB_WORDS = (
+    "a an the of and with in on at to red green blue yellow white black orange purple cat dog "
+    "bird car tree house sky sea sun moon city forest mountain river flower portrait photo "
+    "painting video walking running flying small big bright dark night day"
+).split()
+
+_cache: dict[str, object] = {}
+_lock = threading.Lock()
+
+
+def _word_tokenizer(model_max_length: int, *, eos: str, pad: str, bos: str | None = None):
+    """A fast word-level tokenizer built in memory (lower-cased, unknown words -> [UNK])."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [pad, eos, "[UNK]"] + ([bos] if bos else [])
+    vocab = {tok: i for i, tok in enumerate(specials + list(_VOCAB_WORDS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    # The encoders pool / attend up to the end-of-text token, as CLIP and T5 do.
+    single = (f"{bos} " if bos else "") + f"$A {eos}"
+    special_ids = [(eos, vocab[eos])] + ([(bos, vocab[bos])] if bos else [])
+    tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=special_ids)
+    kwargs = {"bos_token": bos} if bos else {}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        model_max_length=model_max_length,
+        pad_token=pad,
+        eos_token=eos,
+        unk_token="[UNK]",
+        **kwargs,
+    )
+
+
+def _vocab_size() -> int:
+    return len(_VOCAB_WORDS) + 4
+
+
+def _tiny_clip_encoder(hidden: int):
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    config = CLIPTextConfig(
+        vocab_size=_vocab_size(),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+        projection_dim=hidden,
+        bos_token_id=3,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    return CLIPTextModel(config).eval()
+
+
+def _tiny_t5_encoder(hidden: int, umt5: bool = False):
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    cfg_cls, model_cls = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
+    config = cfg_cls(
+        vocab_size=_vocab_size(),
+        d_model=hidden,
+        d_kv=hidden // 2,
+        d_ff=2 * hidden,
+        num_layers=1,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    return model_cls(config).eval()
+
+
+def build_tiny_flux():
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+    )
+
+    # Latents: 4 channels at 1/8 resolution (as real Flux's VAE: size multiple of 16), packed
+    # 2x2 into 16-channel tokens.
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=4,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 6, 6],
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=32,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5035,
+    )
+    return FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=_tiny_clip_encoder(32),
+        tokenizer=_word_tokenizer(16, eos="</s>", pad="<pad>", bos="<s>"),
+        text_encoder_2=_tiny_t5_encoder(32),
+        tokenizer_2=_word_tokenizer(16, eos="</s>", pad="<pad>"),
+        transformer=transformer,
+    )
+
+
+def build_tiny_wan():
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=4,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+    # Wan's VAE: 4x temporal (hence 4k+1 frames) and 8x spatial compression.
+    vae = AutoencoderKLWan(
+        base_dim=4,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    )
+    return WanPipeline(
+        tokenizer=_word_tokenizer(16, eos="</s>", pad="<pad>"),
+        text_encoder=_tiny_t5_encoder(32, umt5=True),
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=transformer,
+    )
+
+
+_BUILDERS = {"tiny-flux": build_tiny_flux, "tiny-wan": build_tiny_wan}
+
+
+def build_embedded(name: str, seed: int = 0):
+    """The embedded pipeline `name` with weights from torch seed `seed`; built once per process
+    (later calls return the same instance, float32 on CPU)."""
+    if name not in _BUILDERS:
+        raise KeyError(f"unknown embedded diffusion model {name!r}; have {list(_BUILDERS)}")
+    with _lock:
+        if name not in _cache:
+            # A private generator stream, so building does not disturb the caller's RNG state.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                pipe = _BUILDERS[name]()
+            pipe.set_progress_bar_config(disable=True)
+            _cache[name] = pipe
+        return _cache[name]

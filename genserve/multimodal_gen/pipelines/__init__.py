@@ -1,0 +1,101 @@
+"""Registry of supported diffusion pipeline families and the model loader.
+
+`load_model(path_or_name, ...)` accepts an embedded name (`tiny-flux`, `tiny-wan`), a diffusers
+folder (its `model_index.json` names the pipeline class) or a hub id (when allowed). Runs in the
+worker process (imports torch).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from genserve.multimodal_gen.pipelines.base import DiffusionFamily
+from genserve.multimodal_gen.pipelines.flux import FluxFamily
+from genserve.multimodal_gen.pipelines.ltx import LTXFamily
+from genserve.multimodal_gen.pipelines.sd import StableDiffusionFamily
+from genserve.multimodal_gen.pipelines.sd3 import SD3Family
+from genserve.multimodal_gen.pipelines.wan import WanFamily
+
+FAMILIES: tuple[type[DiffusionFamily], ...] = (
+    FluxFamily, SD3Family, StableDiffusionFamily, WanFamily, LTXFamily,
+)
+
+# Embedded models: a family, the builder name and spec defaults sized for a CPU.
+EMBEDDED_SPECS: dict[str, tuple[type[DiffusionFamily], dict]] = {
+    "tiny-flux": (FluxFamily, dict(default_width=64, default_height=64, default_steps=4,
+                                   max_pixels=512 * 512, default_guidance=3.5)),
+    "tiny-wan": (WanFamily, dict(default_width=64, default_height=64, default_steps=4,
+                                 default_num_frames=9, max_num_frames=33, max_pixels=256 * 256,
+                                 default_guidance=1.0, default_fps=8)),
+}
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    cpu_offload: bool = False  # model CPU offload (GPU only): components move to GPU in turn
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype}")
+
+
+def family_for_class(class_name: str) -> type[DiffusionFamily]:
+    for fam in FAMILIES:
+        if class_name in fam.pipeline_classes:
+            return fam
+    supported = sorted(c for fam in FAMILIES for c in fam.pipeline_classes)
+    raise ValueError(f"pipeline class {class_name!r} is not supported; supported: {supported}")
+
+
+def _resolve(options: LoadOptions):
+    import torch
+
+    device = options.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = options.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return torch.device(device), getattr(torch, dtype)
+
+
+def load_model(path_or_name: str, options: LoadOptions | None = None,
+               name: str | None = None) -> DiffusionFamily:
+    """Load one model and wrap it in its family."""
+    import torch
+
+    options = options or LoadOptions()
+    device, dtype = _resolve(options)
+    if path_or_name in EMBEDDED_SPECS:
+        from genserve.multimodal_gen.embedded import build_embedded
+
+        family, overrides = EMBEDDED_SPECS[path_or_name]
+        pipe = build_embedded(path_or_name).to(device)  # built in float32
+        if dtype != torch.float32:
+            pipe = pipe.to(dtype=dtype)
+        return family(name or path_or_name, pipe, "embedded", overrides)
+    from diffusers import DiffusionPipeline
+
+    index = Path(path_or_name) / "model_index.json"
+    if index.is_file():
+        class_name = json.loads(index.read_text())["_class_name"]
+    else:
+        from genserve import envs
+
+        if not envs.GENSERVE_ALLOW_HUB_DOWNLOAD.get():
+            raise ValueError(f"{path_or_name!r} is neither an embedded model nor a diffusers "
+                             "folder with model_index.json (hub downloads are disabled)")
+        class_name = DiffusionPipeline.load_config(path_or_name)["_class_name"]
+    family = family_for_class(class_name)
+    pipe = DiffusionPipeline.from_pretrained(path_or_name, torch_dtype=dtype)
+    if options.cpu_offload and device.type == "cuda":
+        pipe.enable_model_cpu_offload(device=device)
+    else:
+        pipe = pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    model_name = name or (Path(path_or_name).name if index.is_file() else path_or_name)
+    return family(model_name, pipe, str(path_or_name))

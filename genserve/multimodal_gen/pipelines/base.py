@@ -1,0 +1,196 @@
+"""The base of every diffusion pipeline family: run one batch of same-shape requests through a
+diffusers pipeline, reporting each step, and decode each output on its own.
+
+Each request row gets its own `torch.Generator` seeded with its seed, so its initial noise does
+not depend on its neighbours; the VAE decodes one output at a time because batched convolutions
+on CPU are not bit-identical to unbatched ones. Together this makes a request's pixels the same
+whether it ran alone or batched. Runs in the worker process (imports torch).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from genserve.multimodal_gen.messages import ModelSpec, ResolvedRequest
+from genserve.multimodal_gen.step_cache import StepCache, make_step_cache
+
+# on_step(steps_done, total_steps, tensors) with tensors = {"latents": [B, C, F, h, w]}.
+# It may raise to stop the pipeline (cancellation).
+StepHook = Callable[[int, int, dict[str, torch.Tensor]], None]
+
+
+@dataclass
+class BatchOutput:
+    """What one pipeline call produced, rows in request order (request i owns its num_outputs)."""
+
+    frames: list[np.ndarray]  # per row: uint8 [F, H, W, 3]
+    cached_steps: int
+    total_steps: int
+    timings: dict[str, float]  # ms
+
+
+class DiffusionFamily(ABC):
+    """One supported diffusers pipeline family. Subclasses set the class attributes and say how
+    to call their pipeline, unpack its latents and decode them."""
+
+    family: ClassVar[str]
+    task: ClassVar[str]
+    pipeline_classes: ClassVar[tuple[str, ...]]  # model_index.json `_class_name` values
+    img2img_class: ClassVar[str | None] = None  # diffusers class sharing the same components
+    spec_defaults: ClassVar[dict[str, Any]]  # ModelSpec fields for a real checkpoint
+    cfg_runs_separately: ClassVar[bool] = False  # transformer called twice per step with CFG
+    step_cache_kind: ClassVar[str] = "dbcache"  # a key of step_cache.STEP_CACHES
+
+    def __init__(self, name: str, pipe: Any, source: str, spec_overrides: dict | None = None):
+        self.name = name
+        self.pipe = pipe
+        self.spec = ModelSpec(
+            name=name,
+            task=self.task,
+            family=self.family,
+            source=source,
+            supports_image_to_image=self.img2img_class is not None,
+            **{**self.spec_defaults, **(spec_overrides or {})},
+        )
+        self.step_cache: StepCache = make_step_cache(self.step_cache_kind, self.denoiser)
+        self._img2img: Any = None
+        self._previewer: Any = None
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        return self.pipe.transformer
+
+    @property
+    def device(self) -> torch.device:
+        return self.pipe._execution_device
+
+    # ---- per-family pieces ----
+
+    @abstractmethod
+    def call_kwargs(self, req: ResolvedRequest) -> dict[str, Any]:
+        """Shape/guidance arguments of the diffusers `__call__` for this batch (same for all)."""
+
+    @abstractmethod
+    def unpack_latents(self, latents: torch.Tensor, req: ResolvedRequest) -> torch.Tensor:
+        """The pipeline's working latents -> [B, C, F, h, w]."""
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """[1, C, F, h, w] unpacked latents -> images in [-1, 1], [1, 3, F, H, W]."""
+
+    # ---- the run ----
+
+    def generate(self, batch: list[ResolvedRequest], on_step: StepHook) -> BatchOutput:
+        """Run `batch` (same batch_key) as one pipeline call."""
+        t0 = time.perf_counter()
+        head = batch[0]
+        # 1. One row per output: its prompt, negative prompt and seeded generator.
+        prompts, negatives, generators = self._rows(batch)
+        # 2. Refresh the step cache for this call's config and step count.
+        self.step_cache.configure(head.step_cache, head.num_inference_steps,
+                                  separate_cfg=self.cfg_runs_separately and self._uses_cfg(head))
+        # 3. Denoise to latents, reporting each step.
+        latents = self._denoise(head, prompts, negatives, generators, on_step)
+        t1 = time.perf_counter()
+        cached = self.step_cache.cached_steps()
+        # 4. Decode each row on its own (bit-identical whatever the batch size).
+        frames = [self._to_uint8(self.decode(self.unpack_latents(latents[i : i + 1], head)))
+                  for i in range(latents.shape[0])]
+        t2 = time.perf_counter()
+        return BatchOutput(
+            frames=frames,
+            cached_steps=cached,
+            total_steps=self._total_steps,
+            timings={"denoise": (t1 - t0) * 1e3, "decode": (t2 - t1) * 1e3},
+        )
+
+    def _uses_cfg(self, req: ResolvedRequest) -> bool:
+        return req.guidance_scale > 1.0
+
+    def _rows(self, batch: list[ResolvedRequest]):
+        prompts, negatives, generators = [], [], []
+        gen_device = "cpu" if self.device.type == "mps" else self.device
+        for req in batch:
+            for seed in req.seeds:
+                prompts.append(req.prompt)
+                negatives.append(req.negative_prompt or "")
+                generators.append(torch.Generator(device=gen_device).manual_seed(seed))
+        return prompts, negatives, generators
+
+    def _denoise(self, head, prompts, negatives, generators, on_step: StepHook) -> torch.Tensor:
+        pipe = self.pipe
+        kwargs = self.call_kwargs(head)
+        if head.init_image is not None:
+            pipe = self._img2img_pipeline()
+            image = _load_image(head.init_image, head.width, head.height)
+            kwargs.update(image=[image] * len(prompts), strength=head.strength)
+        if self.spec.supports_negative_prompt and any(negatives):
+            kwargs["negative_prompt"] = negatives
+
+        def callback(pipe_: Any, i: int, t: Any, tensors: dict[str, torch.Tensor]) -> dict:
+            self._total_steps = pipe_.num_timesteps
+            on_step(i + 1, pipe_.num_timesteps,
+                    {"latents": self.unpack_latents(tensors["latents"], head)})
+            return {}
+
+        self._total_steps = head.num_inference_steps
+        with torch.inference_mode():
+            out = pipe(
+                prompt=prompts,
+                num_inference_steps=head.num_inference_steps,
+                generator=generators,
+                output_type="latent",
+                return_dict=False,
+                callback_on_step_end=callback,
+                callback_on_step_end_tensor_inputs=["latents"],
+                **kwargs,
+            )
+        return out[0]
+
+    def _img2img_pipeline(self) -> Any:
+        if self._img2img is None:
+            import diffusers
+
+            cls = getattr(diffusers, self.img2img_class)
+            expected = set(cls._get_signature_keys(cls)[0])
+            parts = {k: v for k, v in self.pipe.components.items() if k in expected}
+            self._img2img = cls(**parts)
+            self._img2img.set_progress_bar_config(disable=True)
+        return self._img2img
+
+    @staticmethod
+    def _to_uint8(images: torch.Tensor) -> np.ndarray:
+        # [1, 3, F, H, W] in [-1, 1] -> uint8 [F, H, W, 3]
+        x = ((images[0].float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        return x.permute(1, 2, 3, 0).cpu().numpy()
+
+    def preview(self, tensors: dict[str, torch.Tensor], req: ResolvedRequest,
+                full_decode: bool) -> np.ndarray:
+        """uint8 [num_frames, H, W, 3] of row 0: a full VAE decode or the cheap projection."""
+        latents = tensors["latents"][:1]
+        if full_decode:
+            with torch.inference_mode():
+                return self._to_uint8(self.decode(latents))
+        from genserve.multimodal_gen.previews import LatentPreviewer
+
+        if self._previewer is None:
+            self._previewer = LatentPreviewer.fit(self.decode, latents.shape[1], self.device,
+                                                  self.denoiser.dtype)
+        return self._previewer.project(latents[0], req.num_frames, req.height, req.width)
+
+
+def _load_image(data: bytes, width: int, height: int):
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data)).convert("RGB")
+    if image.size != (width, height):
+        image = image.resize((width, height), Image.LANCZOS)
+    return image
