@@ -131,3 +131,11 @@ def decode_frame(data: bytes) -> tuple[FrameHeader, np.ndarray]:
             f"{header.width}x{header.height}"
         )
     return header, np.asarray(image.convert("RGB"))
+
+
+def warm_up_encoders() -> None:
+    """Encode a tiny frame in every format once: the first WebP encode loads its codec (~70 ms),
+    which would otherwise delay a session's first preview."""
+    tiny = np.zeros((8, 8, 3), dtype=np.uint8)
+    for fmt in FrameFormat:
+        encode_image(tiny, fmt, 80)

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from starlette.websockets import WebSocket
 
+from genserve.entrypoints.realtime.frames import warm_up_encoders
 from genserve.entrypoints.realtime.protocol import error_message
 from genserve.entrypoints.realtime.session import RealtimeSession
 from genserve.multimodal_gen.client import DiffusionEngineClient
@@ -28,6 +29,7 @@ class RealtimeServing:
         # Frame encoding (WebP/JPEG) is CPU work; it runs here, never on the event loop.
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="genserve-realtime")
         self._sessions: dict[str, RealtimeSession] = {}
+        warm_up_encoders()
 
     @property
     def active_sessions(self) -> int:

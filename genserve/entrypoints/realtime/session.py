@@ -57,6 +57,7 @@ class RealtimeSession:
         self._request_id: str | None = None  # the engine request now running, if any
         self._prompt = ""  # the prompt of the next chunk (a "prompt" message replaces it)
         self._chunks_done = 0
+        self._runs = 0  # start messages accepted so far
         self._next_frame_time = 0.0  # monotonic time the next final frame is due
 
     @property
@@ -114,6 +115,7 @@ class RealtimeSession:
             return
         self._prompt = msg.prompt
         self._chunks_done = 0
+        self._runs += 1
         self.sender.send_json(started_message(self.session_id, settings.describe()))
         self._generation = asyncio.create_task(self._generate(settings))
 
@@ -152,7 +154,9 @@ class RealtimeSession:
 
     async def _run_chunk(self, settings: SessionSettings, chunk: int) -> bool:
         """Generate one chunk and queue its frames; False if it ended in an error."""
-        req = settings.request(self.session_id, chunk, self._prompt)
+        # Ids are unique per start: a stopped run's id may still be winding down in the engine.
+        request_id = f"rt-{self.session_id}-{self._runs}-{chunk}"
+        req = settings.request(request_id, chunk, self._prompt)
         self._request_id = req.request_id
         started = time.monotonic()
         first_preview_ms: float | None = None

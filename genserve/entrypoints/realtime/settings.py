@@ -36,10 +36,10 @@ class SessionSettings:
     continuous: bool
     max_chunks: int | None  # None = until stopped (continuous) ; 1 otherwise
 
-    def request(self, session_id: str, chunk: int, prompt: str) -> DiffusionRequest:
+    def request(self, request_id: str, chunk: int, prompt: str) -> DiffusionRequest:
         """The diffusion request of chunk `chunk` (previews on)."""
         return DiffusionRequest(
-            request_id=f"rt-{session_id}-{chunk}",
+            request_id=request_id,
             model=self.model,
             prompt=prompt,
             negative_prompt=self.negative_prompt,
