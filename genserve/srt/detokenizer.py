@@ -18,8 +18,8 @@ class IncrementalDetokenizer:
     """Turns a growing list of output token ids into cumulative text.
 
     The text never ends with U+FFFD from a multi-byte character whose bytes are split over
-    tokens: those tokens are held back until the character is complete (`flush` emits them
-    anyway, for the end of a generation).
+    tokens: those bytes are held back until the character is complete (`flush` emits them
+    anyway, for the end of a generation). Each returned text is a prefix of the next.
     """
 
     def __init__(
@@ -60,7 +60,10 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         window_text = self._decode(self.token_ids[self.prefix_offset :])
         if window_text.endswith(REPLACEMENT_CHAR) and not allow_incomplete:
-            # A multi-byte character is still incomplete; wait for its next bytes.
+            # A multi-byte character is still incomplete: keep the offsets so the next call
+            # decodes its bytes together, and show only the complete text before it.
+            if window_text.startswith(prefix_text):
+                return self.text + window_text[len(prefix_text) :].rstrip(REPLACEMENT_CHAR)
             return self.text
         if window_text.startswith(prefix_text):
             self.text += window_text[len(prefix_text) :]
