@@ -49,7 +49,7 @@ class APIKeyMiddleware:
 
 
 class BodySizeLimitMiddleware:
-    """413 for bodies over `max_bytes`: at once from Content-Length, else while reading."""
+    """413 for bodies over `max_bytes`: at once from Content-Length, else after reading."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -68,19 +68,29 @@ class BodySizeLimitMiddleware:
             if too_big:
                 await _send_error(send, payload_too_large(self.max_bytes))
                 return
+        if length is not None or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)  # uvicorn enforces Content-Length itself
+            return
+        # Chunked body of unknown size: read it here (the app would buffer it anyway) so a
+        # too-large one is refused before the app sees it, then replay it to the app.
+        buffered: list[Message] = []
         received = 0
-
-        async def limited_receive() -> Message:
-            nonlocal received
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    # Raised inside the app, so the APIError handler renders the envelope.
-                    raise payload_too_large(self.max_bytes)
-            return message
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                await _send_error(send, payload_too_large(self.max_bytes))
+                return
+            if not message.get("more_body", False):
+                break
 
-        await self.app(scope, limited_receive, send)
+        async def replay() -> Message:
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)
 
 
 async def _send_error(send: Send, error: APIError, headers: dict[str, Any] | None = None) -> None:

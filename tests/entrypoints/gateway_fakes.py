@@ -82,7 +82,8 @@ class FakeEngine(LLMEngineClient):
                 if req.stream and k + 1 < max_new:
                     yield self._output(req, ids, out_ids, text, None, cached, start)
             finished = True
-            self.completed.add(req.rid)
+            if reason["type"] != "abort":
+                self.completed.add(req.rid)
             yield self._output(req, ids, out_ids, text, reason, cached, start)
         finally:
             self.running.discard(req.rid)
