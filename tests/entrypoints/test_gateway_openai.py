@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import openai
-import pytest
 from gateway_fakes import expected_text
 
 
