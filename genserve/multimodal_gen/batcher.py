@@ -1,0 +1,87 @@
+"""Dynamic batching of queued diffusion requests (pure Python; used by the worker process).
+
+The oldest queued request decides the next batch: every queued request with its `batch_key`
+joins it, oldest first, while the batch holds at most `max_batch_size` outputs (a request with
+more outputs than that runs alone). The batch runs once it is full or once the oldest request
+has waited `delay_s`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from genserve.multimodal_gen.messages import ResolvedRequest
+
+
+@dataclass
+class _Queued:
+    req: ResolvedRequest
+    arrived: float  # time.monotonic() when the worker received it
+
+
+@dataclass
+class RequestBatcher:
+    max_batch_size: int = 4
+    delay_s: float = 0.01
+    _queue: list[_Queued] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max batch size must be >= 1, got {self.max_batch_size}")
+        if self.delay_s < 0:
+            raise ValueError(f"batch delay must be >= 0, got {self.delay_s}")
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def add(self, req: ResolvedRequest, now: float | None = None) -> None:
+        self._queue.append(_Queued(req, time.monotonic() if now is None else now))
+
+    def remove(self, request_id: str) -> bool:
+        """Drop a queued request (cancelled before it ran); False if it is not queued."""
+        for i, item in enumerate(self._queue):
+            if item.req.request_id == request_id:
+                del self._queue[i]
+                return True
+        return False
+
+    def _candidates(self) -> list[_Queued]:
+        head = self._queue[0]
+        batch, outputs = [head], head.req.num_outputs
+        for item in self._queue[1:]:
+            if item.req.batch_key != head.req.batch_key:
+                continue
+            if outputs + item.req.num_outputs > self.max_batch_size:
+                break
+            batch.append(item)
+            outputs += item.req.num_outputs
+        return batch
+
+    def wait_time(self, now: float | None = None) -> float | None:
+        """Seconds until the next batch is due (0 = now); None when nothing is queued."""
+        if not self._queue:
+            return None
+        now = time.monotonic() if now is None else now
+        batch = self._candidates()
+        if sum(item.req.num_outputs for item in batch) >= self.max_batch_size:
+            return 0.0
+        return max(0.0, self._queue[0].arrived + self.delay_s - now)
+
+    def pop_batch(self, now: float | None = None) -> list[ResolvedRequest]:
+        """The next batch if it is due, else []. Popped requests leave the queue."""
+        wait = self.wait_time(now)
+        if wait is None or wait > 0:
+            return []
+        batch = self._candidates()
+        taken = {id(item) for item in batch}
+        self._queue = [item for item in self._queue if id(item) not in taken]
+        return [item.req for item in batch]
+
+    def check_integrity(self) -> None:
+        ids = [item.req.request_id for item in self._queue]
+        if len(ids) != len(set(ids)):
+            raise AssertionError(f"request queued twice: {ids}")
+        arrivals = [item.arrived for item in self._queue]
+        if arrivals != sorted(arrivals):
+            raise AssertionError("queue is not in arrival order")

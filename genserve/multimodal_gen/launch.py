@@ -1,0 +1,48 @@
+"""Start the diffusion engine for the CLI (`genserve serve`): no torch in this process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from genserve import envs
+from genserve.multimodal_gen.client import DiffusionEngineClient
+from genserve.multimodal_gen.messages import StepCacheConfig
+
+# Served when no --diffusion-model-path is given (built offline from configs, random weights).
+DEFAULT_MODELS = ("tiny-flux", "tiny-wan")
+
+
+def worker_config_from_args(model_paths: list[str] | None, args: Any):
+    from genserve.multimodal_gen.worker import WorkerConfig
+
+    return WorkerConfig(
+        model_paths=tuple(model_paths) if model_paths else DEFAULT_MODELS,
+        dtype=getattr(args, "dtype", None) or "auto",
+        device=getattr(args, "device", None) or "auto",
+        cpu_offload=bool(getattr(args, "diffusion_cpu_offload", False)),
+        max_batch_size=int(getattr(args, "diffusion_max_batch_size", None) or 4),
+        batch_delay_ms=float(getattr(args, "diffusion_batch_delay_ms", None) or 10.0),
+        num_threads=envs.GENSERVE_NUM_THREADS.get(),
+    )
+
+
+def default_step_cache_from_args(args: Any) -> StepCacheConfig:
+    kind = getattr(args, "step_cache", None) or "none"
+    if kind not in ("none", "dbcache"):
+        raise ValueError(f"--step-cache must be none or dbcache, got {kind!r}")
+    threshold = getattr(args, "step_cache_threshold", None)
+    return StepCacheConfig(
+        enabled=kind == "dbcache",
+        residual_diff_threshold=0.08 if threshold is None else float(threshold),
+    )
+
+
+def start_diffusion_client(model_paths: list[str] | None, args: Any) -> DiffusionEngineClient:
+    """Spawn the diffusion worker, load the models and return the client once they are ready
+    (raises RuntimeError when a model cannot be loaded)."""
+    from genserve.multimodal_gen.engine_client import WorkerDiffusionClient
+
+    return WorkerDiffusionClient(
+        worker_config_from_args(model_paths, args),
+        default_step_cache=default_step_cache_from_args(args),
+    )

@@ -1,0 +1,193 @@
+"""The diffusion worker process: loads the models, batches queued requests and runs them.
+
+Started by `engine_client.WorkerDiffusionClient` with the multiprocessing *spawn* context; torch is
+imported only here, inside the child. Messages in: WorkerSubmit / WorkerCancel / WorkerShutdown.
+Events out: WorkerReady once, then StepEvent / ResultEvent / ErrorEvent per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from genserve.multimodal_gen.batcher import RequestBatcher
+from genserve.multimodal_gen.messages import (
+    STATUS_BAD_INPUT,
+    STATUS_BUG,
+    STATUS_CANCELLED,
+    ErrorEvent,
+    ResolvedRequest,
+    ResultEvent,
+    StepEvent,
+    WorkerCancel,
+    WorkerReady,
+    WorkerShutdown,
+    WorkerSubmit,
+)
+
+logger = logging.getLogger("genserve.diffusion.worker")
+
+
+class _BatchCancelled(Exception):
+    """Every request of the running batch was cancelled: stop the pipeline now."""
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_paths: tuple[str, ...]
+    dtype: str = "auto"
+    device: str = "auto"
+    cpu_offload: bool = False
+    max_batch_size: int = 4
+    batch_delay_ms: float = 10.0
+    num_threads: int = 0  # torch intra-op threads (0 = torch default)
+
+    def __post_init__(self) -> None:
+        if not self.model_paths:
+            raise ValueError("the diffusion worker needs at least one model")
+        if self.max_batch_size < 1:
+            raise ValueError(f"diffusion max batch size must be >= 1, got {self.max_batch_size}")
+        if self.batch_delay_ms < 0:
+            raise ValueError(f"diffusion batch delay must be >= 0 ms, got {self.batch_delay_ms}")
+
+
+@dataclass
+class _Worker:
+    config: WorkerConfig
+    inbox: Any  # multiprocessing.Queue of Worker* messages
+    outbox: Any  # multiprocessing.Queue of events
+    models: dict[str, Any] = field(default_factory=dict)
+    batcher: RequestBatcher = field(default_factory=RequestBatcher)
+    running: dict[str, ResolvedRequest] = field(default_factory=dict)
+    cancelled: set[str] = field(default_factory=set)
+    stopping: bool = False
+
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, WorkerSubmit):
+            self.batcher.add(msg.request)
+        elif isinstance(msg, WorkerCancel):
+            rid = msg.request_id
+            if self.batcher.remove(rid):
+                self.outbox.put(ErrorEvent(rid, "request cancelled", STATUS_CANCELLED))
+            elif rid in self.running and rid not in self.cancelled:
+                # Stops at the next step: its events end now, its rows are dropped.
+                self.cancelled.add(rid)
+                self.outbox.put(ErrorEvent(rid, "request cancelled", STATUS_CANCELLED))
+        elif isinstance(msg, WorkerShutdown):
+            self.stopping = True
+
+    def drain(self, timeout: float | None) -> None:
+        """Handle every waiting message; block up to `timeout` for the first (None = forever)."""
+        try:
+            msg = self.inbox.get(timeout=timeout) if timeout != 0 else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        self.handle(msg)
+        while True:
+            try:
+                self.handle(self.inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def loop(self) -> None:
+        while not self.stopping:
+            wait = self.batcher.wait_time()
+            self.drain(timeout=wait if wait is None else min(wait, 1.0))
+            batch = self.batcher.pop_batch()
+            if batch:
+                self.run_batch(batch)
+            else:
+                self.batcher.check_integrity()  # idle moment: check the queue's invariants
+
+    def run_batch(self, batch: list[ResolvedRequest]) -> None:
+        model = self.models[batch[0].model]
+        self.running = {r.request_id: r for r in batch}
+        self.cancelled = set()
+        t_start = time.time()
+
+        def on_step(step: int, total: int, tensors: dict) -> None:
+            self.drain(timeout=0)  # pick up cancels (and new submits) between steps
+            live = [r for r in batch if r.request_id not in self.cancelled]
+            if not live:
+                raise _BatchCancelled
+            for req in live:
+                preview = None
+                every = req.preview_decode_every
+                if req.preview and (every == 0 or step % every == 0 or step == total):
+                    # Row 0 of this request: its first output's latents.
+                    row = _first_row(batch, req)
+                    preview = model.preview({"latents": tensors["latents"][row : row + 1]},
+                                            req, full_decode=every > 0)
+                self.outbox.put(StepEvent(req.request_id, step, total, preview))
+
+        try:
+            out = model.generate(batch, on_step)
+        except _BatchCancelled:
+            out = None
+        except ValueError as exc:
+            self._fail(batch, str(exc), STATUS_BAD_INPUT)
+            out = None
+        except Exception as exc:  # a genuine bug: report it, keep serving others
+            logger.error("diffusion batch failed:\n%s", traceback.format_exc())
+            self._fail(batch, f"generation failed: {type(exc).__name__}: {exc}", STATUS_BUG)
+            out = None
+        if out is not None:
+            row = 0
+            for req in batch:
+                rows = out.frames[row : row + req.num_outputs]
+                row += req.num_outputs
+                if req.request_id in self.cancelled:
+                    continue
+                timings = dict(out.timings)
+                timings["queue"] = max(0.0, (t_start - req.submitted_at) * 1e3)
+                timings["total"] = (time.time() - req.submitted_at) * 1e3
+                self.outbox.put(ResultEvent(
+                    req.request_id, list(rows), req.fps, out.cached_steps, out.total_steps,
+                    timings, list(req.seeds)))
+        self.running = {}
+        self.cancelled = set()
+
+    def _fail(self, batch: list[ResolvedRequest], message: str, status: int) -> None:
+        for req in batch:
+            if req.request_id not in self.cancelled:
+                self.outbox.put(ErrorEvent(req.request_id, message, status))
+
+
+def _first_row(batch: list[ResolvedRequest], req: ResolvedRequest) -> int:
+    row = 0
+    for other in batch:
+        if other is req:
+            return row
+        row += other.num_outputs
+    raise KeyError(req.request_id)
+
+
+def worker_main(config: WorkerConfig, inbox: Any, outbox: Any) -> None:
+    """Entry point of the worker process."""
+    logging.basicConfig(level=logging.INFO, format="[diffusion worker] %(message)s")
+    try:
+        import torch
+
+        from genserve.multimodal_gen.pipelines import LoadOptions, load_model
+
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        options = LoadOptions(dtype=config.dtype, device=config.device,
+                              cpu_offload=config.cpu_offload)
+        worker = _Worker(config, inbox, outbox,
+                         batcher=RequestBatcher(config.max_batch_size,
+                                                config.batch_delay_ms / 1000.0))
+        for path in config.model_paths:
+            model = load_model(path, options)
+            if model.name in worker.models:
+                raise ValueError(f"two diffusion models are named {model.name!r}")
+            worker.models[model.name] = model
+    except Exception as exc:
+        outbox.put(WorkerReady(specs=[], error=f"{type(exc).__name__}: {exc}"))
+        return
+    outbox.put(WorkerReady(specs=[m.spec for m in worker.models.values()]))
+    worker.loop()
