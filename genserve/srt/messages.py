@@ -65,9 +65,77 @@ class GenerateOutput:
         if self.output_token_logprobs is not None:
             meta["output_token_logprobs"] = [list(p) for p in self.output_token_logprobs]
         if self.output_top_logprobs is not None:
-            meta["output_top_logprobs"] = [[list(p) for p in row] for row in self.output_top_logprobs]
+            meta["output_top_logprobs"] = [
+                [list(p) for p in row] for row in self.output_top_logprobs
+            ]
         return meta
 
     def to_dict(self) -> dict[str, Any]:
         """The SGLang `/generate` response shape."""
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
+        return {
+            "text": self.text,
+            "output_ids": list(self.output_ids),
+            "meta_info": self.meta_info(),
+        }
+
+
+# ---- Tokenizer manager <-> scheduler process -------------------------------------------------
+
+
+@dataclass
+class TokenizedGenerateReq:
+    """A validated, tokenized request (n == 1). `sampling_params` is a validated
+    `genserve.srt.sampling.SamplingParams` (a plain frozen dataclass; pickles cheaply)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: Any
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    namespace: str = ""  # cache_salt: identical tokens in other namespaces never share KV
+    arrival_time: float = 0.0
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class ControlReq:
+    """flush_cache | server_info | check_integrity | shutdown; answered by a ControlResp."""
+
+    kind: str
+    token: int = 0
+
+
+@dataclass
+class ControlResp:
+    kind: str
+    token: int
+    ok: bool
+    payload: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ReqOutput:
+    """What one scheduler step produced for one request: deltas since the last ReqOutput."""
+
+    rid: str
+    text_delta: str
+    new_ids: list[int]
+    finished: bool
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    new_logprobs: list[tuple[float, int]] | None = None
+    new_top_logprobs: list[list[tuple[float, int]]] | None = None
+    error: str | None = None
+    error_status: int = 500
+
+
+@dataclass
+class BatchReqOutput:
+    outputs: list[ReqOutput]

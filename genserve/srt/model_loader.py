@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -15,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from genserve import envs
 
@@ -76,9 +77,17 @@ def _gguf_to_folder(gguf: Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32
         )
-        model.save_pretrained(tmp, safe_serialization=True)
+        # save_pretrained refuses GGUF-quantized models; the dequantized tensors are plain.
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        cfg["architectures"] = [type(model).__name__]
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         tokenizer.save_pretrained(tmp)
-        del model
+        del model, state
         try:
             tmp.rename(folder)
         except OSError:  # another process converted it meanwhile

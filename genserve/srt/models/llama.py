@@ -100,7 +100,10 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
@@ -140,14 +143,17 @@ class LlamaForCausalLM(nn.Module):
                     break
             else:
                 self._copy(params, name, tensor, loaded)
-        order = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+        order = {
+            "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+            "gate_up_proj": ("gate_proj", "up_proj"),
+        }
         for name, parts in fused.items():
             kind = "qkv_proj" if ".qkv_proj." in name else "gate_up_proj"
             missing = [p for p in order[kind] if p not in parts]
             if missing:
                 raise ValueError(f"checkpoint is missing {missing} for {name}")
             self._copy(params, name, torch.cat([parts[p] for p in order[kind]], 0), loaded)
-        expected = {n for n in params if not (n == "lm_head.weight" and self.config.tie_word_embeddings)}
+        expected = set(params)
         if self.config.tie_word_embeddings:
             expected.discard("lm_head.weight")
         missing_params = sorted(expected - loaded)
@@ -160,7 +166,10 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
         param = params[name]
         if param.shape != tensor.shape:
-            raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+            raise ValueError(
+                f"weight {name}: checkpoint shape {tuple(tensor.shape)} "
+                f"!= model {tuple(param.shape)}"
+            )
         with torch.no_grad():
             param.copy_(tensor.to(param.dtype))
         loaded.add(name)

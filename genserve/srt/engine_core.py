@@ -1,0 +1,82 @@
+"""Builds the in-process runtime (model runner + scheduler) from EngineArgs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from genserve.srt.model_config import ModelConfig
+from genserve.srt.model_loader import resolve_model_folder
+from genserve.srt.model_runner import ModelRunner
+from genserve.srt.scheduler.scheduler import Scheduler
+from genserve.srt.server_args import EngineArgs
+from genserve.srt.tokenizer_manager import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    args: EngineArgs
+    folder: Path
+    model_name: str
+    config: ModelConfig
+    tokenizer: Any
+    runner: ModelRunner
+    scheduler: Scheduler
+
+    def model_info(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "model_path": str(self.args.model_path or self.folder),
+            "model_name": self.model_name,
+            "architecture": cfg.architecture,
+            "dtype": self.args.dtype,
+            "device": str(self.runner.device),
+            "attention_backend": self.runner.attention_backend_name,
+            "context_length": self.runner.context_length,
+            "vocab_size": cfg.vocab_size,
+            "num_layers": cfg.num_hidden_layers,
+            "max_total_tokens": self.runner.max_total_tokens,
+            "eos_token_ids": list(cfg.eos_token_ids),
+            "has_tokenizer": self.tokenizer is not None,
+        }
+
+
+def context_length_for(args: EngineArgs, config: ModelConfig) -> int:
+    limit = config.max_position_embeddings
+    if config.sliding_window:
+        # Sliding-window attention is not implemented: stay inside one window.
+        limit = min(limit, config.sliding_window)
+    if args.context_length is None:
+        return limit
+    if args.context_length > limit:
+        raise ValueError(f"context_length {args.context_length} exceeds the model's limit {limit}")
+    return args.context_length
+
+
+def build_runtime(args: EngineArgs) -> Runtime:
+    if args.num_threads > 0:
+        torch.set_num_threads(args.num_threads)
+    folder, name = resolve_model_folder(args.model_path)
+    config = ModelConfig.from_folder(folder)
+    tokenizer = load_tokenizer(folder)
+    context_length = context_length_for(args, config)
+    runner = ModelRunner(args, config, folder, context_length)
+    scheduler = Scheduler(args, runner, tokenizer)
+    kv_gib = runner.max_total_tokens * runner.kv_bytes_per_token() / 2**30
+    logger.info(
+        "loaded %s (%s, %s, %s backend): KV pool %d tokens (%.2f GiB), context %d",
+        name,
+        config.architecture,
+        args.dtype,
+        runner.attention_backend_name,
+        runner.max_total_tokens,
+        kv_gib,
+        context_length,
+    )
+    return Runtime(args, folder, name, config, tokenizer, runner, scheduler)

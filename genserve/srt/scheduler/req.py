@@ -1,0 +1,154 @@
+"""A request inside the scheduler: its tokens, its KV ownership and its output state."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from genserve.srt.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from genserve.srt.messages import ReqOutput, TokenizedGenerateReq
+from genserve.srt.sampling import SamplingParams
+
+
+class Req:
+    """KV state invariant (while `row` is set):
+    req_to_token[row, :kv_len] are the KV slots of fill_ids[:kv_len];
+    [0, cache_prefix_len) of them belong to the prefix cache and are locked through `last_node`;
+    [cache_prefix_len, kv_len) belong to this request and must be returned when it ends.
+    """
+
+    def __init__(self, msg: TokenizedGenerateReq, tokenizer: Any, device: torch.device) -> None:
+        self.rid = msg.rid
+        self.origin_input_ids = list(msg.input_ids)
+        self.params: SamplingParams = msg.sampling_params
+        self.namespace = msg.namespace
+        self.stream = msg.stream
+        self.return_logprob = msg.return_logprob
+        self.top_logprobs_num = msg.top_logprobs_num
+        self.arrival_time = msg.arrival_time or time.monotonic()
+        self.output_ids: list[int] = []
+
+        self.row: int | None = None
+        self.kv_len = 0
+        self.cache_prefix_len = 0
+        self.last_node: Any = None
+        self.cached_tokens = -1  # prefix-cache hit at first admission; -1 = not admitted yet
+        self.retractions = 0
+
+        self.generator: torch.Generator | None = None
+        if self.params.seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(self.params.seed)
+
+        self.finish_reason: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.error_status = 500
+        self.aborted = False
+        # Text: detokenize incrementally only when someone reads it before the end.
+        self._tokenizer = tokenizer
+        self._incremental = tokenizer is not None and (self.stream or bool(self.params.stop))
+        self._detok = (
+            IncrementalDetokenizer(
+                tokenizer,
+                skip_special_tokens=self.params.skip_special_tokens,
+                spaces_between_special_tokens=self.params.spaces_between_special_tokens,
+            )
+            if self._incremental
+            else None
+        )
+        self._stops = StopStringMatcher(self.params.stop) if self.params.stop else None
+        self._text = ""  # decoded output text (cut at a stop string)
+        self._stop_string_hit = False
+        self._final_text = False
+        self._sent_text = 0  # chars of _text already sent
+        self._sent_ids = 0
+        self._pending_logprobs: list[tuple[float, int]] = []
+        self._pending_top: list[list[tuple[float, int]]] = []
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def owned_kv(self) -> int:
+        return self.kv_len - self.cache_prefix_len if self.row is not None else 0
+
+    def append_token(
+        self,
+        token: int,
+        eos_ids: frozenset[int],
+        context_length: int,
+        logprob: float | None = None,
+        top: list[tuple[float, int]] | None = None,
+    ) -> None:
+        self.output_ids.append(token)
+        if logprob is not None:
+            self._pending_logprobs.append((logprob, token))
+        if top is not None:
+            self._pending_top.append(top)
+        p = self.params
+        if not p.ignore_eos and token in eos_ids:
+            self.finish_reason = {"type": "stop", "matched": token}
+        elif token in p.stop_token_ids:
+            self.finish_reason = {"type": "stop", "matched": token}
+        elif len(self.output_ids) >= p.max_new_tokens or self.seq_len >= context_length:
+            self.finish_reason = {"type": "length", "length": len(self.output_ids)}
+        if self._detok is not None:
+            self._text = self._detok.add([token])
+            if self._stops is not None:
+                hit = self._stops.find(self._text)
+                if hit is not None:
+                    self._text = self._text[: hit[0]]
+                    self._stop_string_hit = True
+                    self.finish_reason = {"type": "stop", "matched": hit[1]}
+
+    def finish_abort(self, message: str, status: int = 200) -> None:
+        self.finish_reason = {"type": "abort", "message": message}
+        if status != 200:
+            self.error, self.error_status = message, status
+
+    def make_output(self) -> ReqOutput:
+        """Deltas since the previous output (text held back while it may start a stop string)."""
+        if self.finished and not self._final_text:
+            self._final_text = True
+            if self._detok is None and self._tokenizer is not None:
+                self._text = self._tokenizer.decode(
+                    self.output_ids,
+                    skip_special_tokens=self.params.skip_special_tokens,
+                    spaces_between_special_tokens=self.params.spaces_between_special_tokens,
+                )
+            elif self._detok is not None and not self._stop_string_hit:
+                self._text = self._detok.flush()  # emit bytes held back mid-character
+        text = self._text
+        end = len(text)
+        if not self.finished and self._stops is not None:
+            end = self._stops.safe_prefix_len(text)
+        delta = text[self._sent_text : end] if end > self._sent_text else ""
+        self._sent_text = max(self._sent_text, end)
+        new_ids = self.output_ids[self._sent_ids :]
+        self._sent_ids = len(self.output_ids)
+        out = ReqOutput(
+            rid=self.rid,
+            text_delta=delta,
+            new_ids=new_ids,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            prompt_tokens=len(self.origin_input_ids),
+            completion_tokens=len(self.output_ids),
+            cached_tokens=max(self.cached_tokens, 0),
+            new_logprobs=self._pending_logprobs if self.return_logprob else None,
+            new_top_logprobs=self._pending_top if self.top_logprobs_num > 0 else None,
+            error=self.error,
+            error_status=self.error_status,
+        )
+        self._pending_logprobs, self._pending_top = [], []
+        return out

@@ -1,0 +1,432 @@
+"""Continuous batching over the paged KV pool with a RadixAttention prefix cache.
+
+Each `step()` runs one forward pass: a prefill (extend) batch when waiting requests can be
+admitted (prefill-first), otherwise one decode step of every running request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from genserve.srt.forward_batch import ForwardMode
+from genserve.srt.mem_cache import IntegrityError, create_prefix_cache
+from genserve.srt.messages import ReqOutput, TokenizedGenerateReq
+from genserve.srt.model_runner import ModelRunner
+from genserve.srt.sampling import Sampler, SamplingBatchInfo
+from genserve.srt.scheduler.policy import create_policy
+from genserve.srt.scheduler.req import Req
+from genserve.srt.server_args import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+# Share of a running request's remaining max_new_tokens kept free when admitting new prefills;
+# retraction covers the cases this estimate gets wrong.
+_DECODE_RESERVE_RATIO = 0.3
+_DECODE_RESERVE_CLIP = 1024
+# Queued requests sharing at least this many not-yet-cached tokens with one already in the
+# batch wait one step, then hit the cache instead of computing the same prefix again.
+_DEDUPE_MIN_TOKENS = 32
+
+
+class Scheduler:
+    def __init__(self, args: EngineArgs, runner: ModelRunner, tokenizer: Any) -> None:
+        self.args = args
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.device = runner.device
+        self.context_length = runner.context_length
+        self.max_total_tokens = runner.max_total_tokens
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.allocator = runner.allocator
+        self.cache = create_prefix_cache(
+            runner.allocator, args.disable_radix_cache, page_size=args.page_size
+        )
+        self.policy = create_policy(args.schedule_policy)
+        self.sampler = Sampler()
+        self.eos_ids = frozenset(runner.config.eos_token_ids)
+        self.vocab_size = runner.config.vocab_size
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None  # a prefill split over several forwards
+        self.reqs: dict[str, Req] = {}
+        self.stats = {
+            "prompt_tokens": 0,
+            "cached_tokens": 0,
+            "generated_tokens": 0,
+            "retractions": 0,
+            "prefill_batches": 0,
+            "decode_steps": 0,
+        }
+
+    # ---- requests in and out ----------------------------------------------------------------
+
+    def add_request(self, msg: TokenizedGenerateReq) -> ReqOutput | None:
+        """Queue a request; returns an immediate final output if it cannot run at all."""
+        req = Req(msg, self.tokenizer, self.device)
+        n_in, max_new = len(req.origin_input_ids), req.params.max_new_tokens
+        error = None
+        if n_in == 0:
+            error = "the prompt is empty: at least one input token is required"
+        elif n_in + max_new > self.context_length:
+            error = (
+                f"prompt ({n_in} tokens) + max_new_tokens ({max_new}) = {n_in + max_new} exceeds "
+                f"the context length ({self.context_length})"
+            )
+        elif n_in + max_new > self.max_total_tokens:
+            error = (
+                f"prompt ({n_in} tokens) + max_new_tokens ({max_new}) can never fit in the KV "
+                f"pool ({self.max_total_tokens} tokens); lower max_new_tokens or raise "
+                "--max-total-tokens"
+            )
+        elif any(t < 0 or t >= self.vocab_size for t in req.origin_input_ids):
+            error = f"input token ids must be in [0, {self.vocab_size})"
+        if error is not None:
+            req.finish_abort(error, status=400)
+            return req.make_output()
+        if max_new == 0:
+            req.finish_reason = {"type": "length", "length": 0}
+            return req.make_output()
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+        return None
+
+    def abort(self, rid: str) -> bool:
+        req = self.reqs.get(rid)
+        if req is None:
+            return False
+        req.aborted = True
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    # ---- one scheduling step ----------------------------------------------------------------
+
+    def step(self) -> list[ReqOutput]:
+        outputs: list[ReqOutput] = []
+        self._reap_aborted(outputs)
+        batch = self._schedule_prefill()
+        if batch:
+            self._run_prefill(batch, outputs)
+        elif self.running:
+            self._run_decode(outputs)
+        return outputs
+
+    def _reap_aborted(self, outputs: list[ReqOutput]) -> None:
+        for req in [r for r in self.waiting if r.aborted]:
+            self.waiting.remove(req)
+            req.finish_abort("aborted by client")
+            self._finish(req, outputs)
+        if self.chunked is not None and self.chunked.aborted:
+            req, self.chunked = self.chunked, None
+            req.finish_abort("aborted by client")
+            self._finish(req, outputs)
+        for req in [r for r in self.running if r.aborted]:
+            self.running.remove(req)
+            req.finish_abort("aborted by client")
+            self._finish(req, outputs)
+
+    def _decode_reserve(self, extra: list[Req]) -> int:
+        total = 0
+        for req in self.running + extra:
+            left = req.params.max_new_tokens - len(req.output_ids)
+            total += int(min(left, _DECODE_RESERVE_CLIP) * _DECODE_RESERVE_RATIO)
+        return total
+
+    def _schedule_prefill(self) -> list[tuple[Req, int, int]]:
+        """Pick requests to prefill: (req, prefix_len, extend_len) with KV allocated."""
+        budget = self.args.chunked_prefill_size
+        batch: list[tuple[Req, int, int]] = []
+        if self.chunked is not None:
+            req, self.chunked = self.chunked, None
+            extend = min(req.seq_len - req.kv_len, budget)
+            if not self._alloc_extend(req, req.kv_len, extend):
+                # Cannot continue the chunk now: give its KV back and queue it again.
+                self._release(req, insert=True)
+                self.waiting.insert(0, req)
+                return []
+            batch.append((req, req.kv_len, extend))
+            budget -= extend
+            if req.kv_len + extend < req.seq_len:
+                return batch
+        if not self.waiting or budget <= 0:
+            return batch
+        seen_prefixes: set[tuple] = set()
+        admitted: list[Req] = []
+        for req in self.policy.order(self.waiting, self.cache):
+            if len(self.running) + len(batch) >= self.args.max_running_requests or budget <= 0:
+                break
+            if self.req_to_token_pool.available_size() == 0:
+                break
+            fill = req.fill_ids
+            m = self.cache.match_prefix(fill[:-1], req.namespace)
+            prefix = int(m.indices.numel())
+            extend = len(fill) - prefix
+            if extend > _DEDUPE_MIN_TOKENS:
+                key = (req.namespace, tuple(fill[: prefix + _DEDUPE_MIN_TOKENS]))
+                if key in seen_prefixes:
+                    continue  # a request in this batch computes this prefix; hit it next step
+                seen_prefixes.add(key)
+            chunk = min(extend, budget)
+            if chunk < extend and batch and budget < 64:
+                break  # not worth starting a tiny chunk
+            self.cache.inc_lock_ref(m.last_node)
+            free = self.allocator.available_size() + self.cache.evictable_size()
+            if free < chunk + self._decode_reserve(admitted + [req]):
+                self.cache.dec_lock_ref(m.last_node)
+                break
+            row = self.req_to_token_pool.alloc(1)
+            assert row is not None  # checked above
+            req.row = row[0]
+            req.cache_prefix_len, req.last_node, req.kv_len = prefix, m.last_node, prefix
+            if prefix:
+                self.req_to_token_pool.write(req.row, 0, m.indices)
+            if req.cached_tokens < 0:
+                req.cached_tokens = prefix
+                self.stats["prompt_tokens"] += len(req.origin_input_ids)
+                self.stats["cached_tokens"] += prefix
+            if not self._alloc_extend(req, prefix, chunk):
+                self._release(req, insert=False)
+                break
+            batch.append((req, prefix, chunk))
+            admitted.append(req)
+            budget -= chunk
+            if chunk < extend:
+                break  # at most one chunked request per batch, and it goes last
+        taken = {id(r) for r in admitted}
+        self.waiting = [r for r in self.waiting if id(r) not in taken]
+        return batch
+
+    def _alloc_extend(self, req: Req, start: int, n: int) -> bool:
+        """Give `req` n new KV slots at columns [start, start + n), evicting cache if needed."""
+        short = n - self.allocator.available_size()
+        if short > 0:
+            self.cache.evict(short)
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            return False
+        if req.row is None:
+            rows = self.req_to_token_pool.alloc(1)
+            if rows is None:
+                self.allocator.free(slots)
+                return False
+            req.row = rows[0]
+        self.req_to_token_pool.write(req.row, start, slots)
+        return True
+
+    # ---- forward passes ---------------------------------------------------------------------
+
+    def _run_prefill(self, batch: list[tuple[Req, int, int]], outputs: list[ReqOutput]) -> None:
+        r2t = self.req_to_token_pool.req_to_token
+        input_ids: list[int] = []
+        locs = []
+        for req, prefix, n in batch:
+            input_ids.extend(req.fill_ids[prefix : prefix + n])
+            locs.append(r2t[req.row, prefix : prefix + n])
+        fb = self.runner.build_forward_batch(
+            ForwardMode.EXTEND,
+            [req.row for req, _, _ in batch],  # type: ignore[misc]
+            input_ids,
+            [p for _, p, _ in batch],
+            [n for _, _, n in batch],
+            torch.cat(locs),
+        )
+        logits = self.runner.forward(fb)
+        self.stats["prefill_batches"] += 1
+        done: list[int] = []
+        for i, (req, prefix, n) in enumerate(batch):
+            req.kv_len = prefix + n
+            if req.kv_len < req.seq_len:
+                self._insert_prefix(req)
+                self.chunked = req
+            else:
+                done.append(i)
+        if not done:
+            return
+        reqs = [batch[i][0] for i in done]
+        self._sample(reqs, logits[done] if len(done) < len(batch) else logits)
+        for req in reqs:
+            if req.finished:
+                self._finish(req, outputs)
+            else:
+                # Publish the prompt's KV now so queued requests sharing it (n > 1, common
+                # system prompts) hit the cache instead of recomputing it.
+                self._insert_prefix(req)
+                self.running.append(req)
+                if req.stream:
+                    outputs.append(req.make_output())
+
+    def _run_decode(self, outputs: list[ReqOutput]) -> None:
+        short = len(self.running) - self.allocator.available_size()
+        if short > 0:
+            self.cache.evict(short)
+        while len(self.running) > self.allocator.available_size():
+            if len(self.running) == 1:
+                req = self.running.pop()
+                req.finish_abort("the KV cache is too small for this request", status=503)
+                self._finish(req, outputs)
+                return
+            self._retract_one()
+            short = len(self.running) - self.allocator.available_size()
+            if short > 0:
+                self.cache.evict(short)
+        reqs = self.running
+        slots = self.allocator.alloc(len(reqs))
+        assert slots is not None  # ensured above
+        rows = [r.row for r in reqs]
+        kv_lens = [r.kv_len for r in reqs]
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        cols_t = torch.tensor(kv_lens, dtype=torch.int64, device=self.device)
+        self.req_to_token_pool.req_to_token[rows_t, cols_t] = slots
+        fb = self.runner.build_forward_batch(
+            ForwardMode.DECODE,
+            rows,  # type: ignore[arg-type]
+            [r.output_ids[-1] for r in reqs],
+            kv_lens,
+            [1] * len(reqs),
+            slots,
+        )
+        logits = self.runner.forward(fb)
+        self.stats["decode_steps"] += 1
+        for req in reqs:
+            req.kv_len += 1
+        self._sample(reqs, logits)
+        still = []
+        for req in reqs:
+            if req.finished:
+                self._finish(req, outputs)
+            else:
+                still.append(req)
+                if req.stream:
+                    outputs.append(req.make_output())
+        self.running = still
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        info = SamplingBatchInfo.build(
+            [r.params for r in reqs],
+            [r.generator for r in reqs],
+            [r.origin_input_ids for r in reqs],
+            [r.output_ids for r in reqs],
+            self.eos_ids,
+            self.vocab_size,
+            self.device,
+        )
+        want_lp = any(r.return_logprob for r in reqs)
+        top_k = max(r.top_logprobs_num for r in reqs)
+        out = self.sampler.sample(logits, info, top_logprobs_num=top_k, return_logprob=want_lp)
+        ids = out.next_token_ids.tolist()
+        lps = out.logprobs.tolist() if out.logprobs is not None else None
+        top_v = out.top_logprobs_values.tolist() if out.top_logprobs_values is not None else None
+        top_i = out.top_logprobs_ids.tolist() if out.top_logprobs_ids is not None else None
+        for i, req in enumerate(reqs):
+            top = None
+            if top_v is not None and top_i is not None and req.top_logprobs_num > 0:
+                k = req.top_logprobs_num
+                top = list(zip(top_v[i][:k], top_i[i][:k]))
+            lp = lps[i] if lps is not None and req.return_logprob else None
+            req.append_token(ids[i], self.eos_ids, self.context_length, lp, top)
+        self.stats["generated_tokens"] += len(reqs)
+
+    # ---- KV ownership -----------------------------------------------------------------------
+
+    def _insert_prefix(self, req: Req) -> None:
+        """Hand the request's computed KV to the cache; it keeps using the cache's slots."""
+        r2t = self.req_to_token_pool.req_to_token
+        kv = r2t[req.row, : req.kv_len].clone()
+        new_kv, new_prefix, node = self.cache.cache_unfinished_req(
+            req.fill_ids[: req.kv_len], kv, req.cache_prefix_len, req.last_node, req.namespace
+        )
+        r2t[req.row, : req.kv_len] = new_kv
+        req.cache_prefix_len, req.last_node = new_prefix, node
+
+    def _release(self, req: Req, insert: bool) -> None:
+        """Return everything the request holds: its slots (to the cache or the free list),
+        its cache lock and its req_to_token row."""
+        if req.row is None:
+            return
+        kv = self.req_to_token_pool.req_to_token[req.row, : req.kv_len].clone()
+        if insert:
+            self.cache.cache_finished_req(
+                req.fill_ids[: req.kv_len], kv, req.cache_prefix_len, req.last_node, req.namespace
+            )
+        else:
+            self.allocator.free(kv[req.cache_prefix_len :])
+            if req.last_node is not None:
+                self.cache.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.row)
+        req.row, req.kv_len, req.cache_prefix_len, req.last_node = None, 0, 0, None
+
+    def _retract_one(self) -> None:
+        """Free KV for the others: requeue the running request with the fewest output tokens
+        (it loses the least work; its computed KV goes to the cache and may still be hit)."""
+        victim = min(self.running, key=lambda r: (len(r.output_ids), -r.arrival_time))
+        self.running.remove(victim)
+        self._release(victim, insert=True)
+        victim.retractions += 1
+        self.stats["retractions"] += 1
+        self.waiting.insert(0, victim)
+        logger.info(
+            "retracted %s (%d output tokens) to free KV", victim.rid, len(victim.output_ids)
+        )
+
+    def _finish(self, req: Req, outputs: list[ReqOutput]) -> None:
+        self._release(req, insert=not req.aborted)
+        self.reqs.pop(req.rid, None)
+        outputs.append(req.make_output())
+
+    # ---- introspection ----------------------------------------------------------------------
+
+    def live_reqs(self) -> list[Req]:
+        return self.running + ([self.chunked] if self.chunked else [])
+
+    def check_integrity(self) -> None:
+        """free + cached + held by requests == pool size; every structure checks itself."""
+        self.allocator.check_integrity()
+        self.cache.check_integrity()
+        self.req_to_token_pool.check_integrity()
+        held = sum(r.owned_kv() for r in self.live_reqs())
+        free, cached = self.allocator.available_size(), self.cache.total_size()
+        if free + cached + held != self.max_total_tokens:
+            raise IntegrityError(
+                f"KV slots leaked: free {free} + cached {cached} + held by requests {held} "
+                f"!= pool size {self.max_total_tokens}"
+            )
+        rows_used = self.req_to_token_pool.size - self.req_to_token_pool.available_size()
+        if rows_used != len(self.live_reqs()):
+            raise IntegrityError(
+                f"req_to_token rows leaked: {rows_used} in use for {len(self.live_reqs())} requests"
+            )
+        if any(r.row is not None for r in self.waiting):
+            raise IntegrityError("a waiting request still holds a req_to_token row")
+
+    def flush_cache(self) -> bool:
+        if self.has_work():
+            return False
+        self.cache.reset()
+        return True
+
+    def info(self) -> dict[str, Any]:
+        free = self.allocator.available_size()
+        used = self.max_total_tokens - free
+        s = self.stats
+        return {
+            "max_total_tokens": self.max_total_tokens,
+            "available_tokens": free,
+            "kv_used_tokens": used,
+            "kv_usage": used / self.max_total_tokens,
+            "num_running_reqs": len(self.live_reqs()),
+            "num_waiting_reqs": len(self.waiting),
+            "cache": {
+                "type": type(self.cache).__name__,
+                "total_tokens": self.cache.total_size(),
+                "evictable_tokens": self.cache.evictable_size(),
+                "protected_tokens": self.cache.protected_size(),
+                "hit_rate": s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0,
+            },
+            "stats": dict(s),
+            "time": time.time(),
+        }
