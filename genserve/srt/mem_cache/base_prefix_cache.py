@@ -104,6 +104,10 @@ class BasePrefixCache(abc.ABC):
         """Number of tree nodes holding tokens (0 without a tree), for server info."""
 
     @abc.abstractmethod
+    def owned_slots(self) -> torch.Tensor:
+        """Every tree-owned slot ([total_size()] int64); for integrity checks and tests."""
+
+    @abc.abstractmethod
     def reset(self) -> None:
         """Drop every cached prefix and free its slots; IntegrityError if any path is locked."""
 

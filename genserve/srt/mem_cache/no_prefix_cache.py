@@ -51,6 +51,9 @@ class NoPrefixCache(BasePrefixCache):
     def num_nodes(self) -> int:
         return 0
 
+    def owned_slots(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
+
     def reset(self) -> None:
         pass
 

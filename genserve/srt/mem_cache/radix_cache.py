@@ -178,7 +178,6 @@ class RadixCache(BasePrefixCache):
         self.allocator.free(slots)
 
     def owned_slots(self) -> torch.Tensor:
-        """Every tree-owned slot ([total_size()] int64), for integrity checks and tests."""
         values = [n.value for n in self._token_nodes()]
         return torch.cat(values) if values else self._empty()
 
