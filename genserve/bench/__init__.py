@@ -1,0 +1,1 @@
+"""Benchmarks runnable as `genserve bench ...` (no torch: they talk HTTP)."""

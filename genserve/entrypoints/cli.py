@@ -1,0 +1,140 @@
+"""`genserve` console script: `serve`, `generate`, `bench serving`.
+
+Argument parsing only; the work is in `serve.py`, `offline.py` and `genserve.bench`. Nothing
+here imports torch: each command imports its runtime when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from genserve import __version__
+
+
+def _add_llm_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LLM runtime")
+    g.add_argument("--model-path", action="append", default=None, metavar="PATH",
+                   help="HF folder or .gguf file of an LLM (repeatable). Default: the embedded "
+                        "SmolLM2-135M-Instruct.")
+    g.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                   help="Extra name under which the first LLM is served (repeatable).")
+    g.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="Weights and activations dtype (default: the runtime's choice).")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
+    g.add_argument("--attention-backend", default=None, choices=("torch", "triton"))
+    g.add_argument("--schedule-policy", default="fcfs", choices=("fcfs", "lpm", "dfs-weight"))
+    g.add_argument("--max-running-requests", type=int, default=64)
+    g.add_argument("--max-queued-requests", type=int, default=None,
+                   help="Waiting-queue limit; more requests get 503 at once.")
+    g.add_argument("--context-length", type=int, default=None)
+    g.add_argument("--mem-fraction", type=float, default=None,
+                   help="Share of free memory given to the KV pool.")
+    g.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens.")
+    g.add_argument("--chunked-prefill-size", type=int, default=None)
+    g.add_argument("--page-size", type=int, default=None)
+    g.add_argument("--disable-radix-cache", action="store_true")
+
+
+def _add_diffusion_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("diffusion runtime")
+    g.add_argument("--diffusion-model-path", action="append", default=None, metavar="PATH",
+                   help="diffusers folder or hub id (repeatable). Default: embedded tiny models.")
+    g.add_argument("--step-cache", default="none", choices=("none", "dbcache"))
+    g.add_argument("--step-cache-threshold", type=float, default=None)
+    g.add_argument("--diffusion-max-batch-size", type=int, default=4)
+    g.add_argument("--diffusion-batch-delay-ms", type=float, default=10.0)
+    g.add_argument("--diffusion-cpu-offload", action="store_true")
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="Start the HTTP server.",
+                       description="Serve LLMs and diffusion models over HTTP. With no model "
+                                   "argument both embedded defaults are served.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None, help="Require this key (Bearer or x-api-key).")
+    p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                   help="Allow this browser origin (repeatable; CORS is off by default).")
+    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
+    p.add_argument("--max-realtime-sessions", type=int, default=2)
+    p.add_argument("--no-llm", action="store_true", help="Do not start an LLM runtime.")
+    p.add_argument("--no-diffusion", action="store_true",
+                   help="Do not start the diffusion runtime.")
+    p.add_argument("--log-level", default=None,
+                   choices=("debug", "info", "warning", "error", "critical"))
+    _add_llm_args(p)
+    _add_diffusion_args(p)
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="Run one request without a server.",
+                       description="Text for an LLM prompt; an image or video (written to "
+                                   "--output) when a diffusion model or --task is given.")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--raw", action="store_true",
+                   help="LLM: send the prompt as-is instead of as a chat user message.")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--task", default=None, choices=("text-to-image", "text-to-video"),
+                   help="Diffusion task (implies a diffusion model).")
+    p.add_argument("--output", default=None, help="Image / video output file.")
+    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--height", type=int, default=None)
+    p.add_argument("--num-frames", type=int, default=None)
+    p.add_argument("--fps", type=int, default=None)
+    p.add_argument("--num-inference-steps", type=int, default=None)
+    p.add_argument("--guidance-scale", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--log-level", default=None,
+                   choices=("debug", "info", "warning", "error", "critical"))
+    _add_llm_args(p)
+    _add_diffusion_args(p)
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="Run a benchmark.")
+    bench_sub = p.add_subparsers(dest="bench_command", required=True)
+    from genserve.bench.serving import add_arguments
+
+    add_arguments(bench_sub.add_parser(
+        "serving", help="Load-test a running server (genserve, SGLang, llama.cpp, vLLM...)."))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="genserve", description="One server for generative "
+                                     "models: LLM chat and diffusion image/video generation.")
+    parser.add_argument("--version", action="version", version=f"genserve {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _generate_parser(sub)
+    _bench_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            from genserve.entrypoints.serve import run_serve
+
+            return run_serve(args)
+        if args.command == "generate":
+            from genserve.entrypoints.offline import run_generate
+
+            return run_generate(args)
+        from genserve.bench.serving import run_from_args
+
+        return run_from_args(args)
+    except ValueError as exc:  # bad flag values: one clear line, no traceback
+        print(f"genserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""`genserve generate`: one request without a server (text, or an image / video file)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from genserve.entrypoints.serve import configure_logging, engine_args_from
+
+_MEDIA_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".mp4", ".gif")
+
+
+def is_diffusion_request(args: argparse.Namespace) -> bool:
+    output = (args.output or "").lower()
+    return bool(args.diffusion_model_path or args.task or output.endswith(_MEDIA_SUFFIXES))
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level or "warning")
+    if is_diffusion_request(args):
+        try:
+            from genserve.multimodal_gen.generate_cli import run
+        except ImportError as exc:
+            print(f"genserve generate: diffusion generation is unavailable ({exc})",
+                  file=sys.stderr)
+            return 1
+        return int(run(args) or 0)
+    return _generate_text(args)
+
+
+def _generate_text(args: argparse.Namespace) -> int:
+    from genserve.srt.engine import Engine
+
+    if args.model_path and len(args.model_path) > 1:
+        raise ValueError("generate takes one --model-path")
+    engine_args = engine_args_from(args, args.model_path[0] if args.model_path else None)
+    engine = Engine(**{f: getattr(engine_args, f) for f in engine_args.__dataclass_fields__})
+    prompt = args.prompt
+    if not args.raw:
+        prompt = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    if args.top_p is not None:
+        params["top_p"] = args.top_p
+    if args.seed is not None:
+        params["seed"] = args.seed
+    result = engine.generate(prompt, params)
+    print(result["text"])
+    engine.shutdown()
+    return 0

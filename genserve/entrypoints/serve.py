@@ -1,0 +1,167 @@
+"""`genserve serve`: start the runtimes, put the gateway in front, shut down cleanly.
+
+SIGTERM / SIGINT stop accepting connections, let uvicorn finish in-flight responses (bounded),
+then shut the engines' processes down; a second SIGINT forces the exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+from genserve import envs
+from genserve.entrypoints.config import GatewayConfig
+from genserve.srt.client import LLMEngineClient
+
+logger = logging.getLogger("genserve.serve")
+
+_GRACEFUL_SHUTDOWN_S = 10
+
+
+def configure_logging(level: str | None) -> str:
+    level = (level or envs.GENSERVE_LOG_LEVEL.get()).lower()
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return level
+
+
+def engine_args_from(args: argparse.Namespace, model_path: str | None) -> Any:
+    from genserve.srt.server_args import EngineArgs
+
+    kwargs: dict[str, Any] = {
+        "model_path": model_path, "device": args.device,
+        "schedule_policy": args.schedule_policy,
+        "max_running_requests": args.max_running_requests,
+        "max_queued_requests": args.max_queued_requests,
+        "context_length": args.context_length, "max_total_tokens": args.max_total_tokens,
+        "disable_radix_cache": args.disable_radix_cache,
+        "attention_backend": args.attention_backend,
+    }
+    for name in ("dtype", "mem_fraction", "chunked_prefill_size", "page_size"):
+        value = getattr(args, name)
+        if value is not None:  # else the runtime's default
+            kwargs[name] = value
+    return EngineArgs(**kwargs)
+
+
+def gateway_config_from(args: argparse.Namespace) -> GatewayConfig:
+    # The gateway holds running + waiting requests; the engine enforces its waiting queue.
+    limit = None
+    if args.max_queued_requests is not None:
+        limit = args.max_queued_requests + args.max_running_requests
+    return GatewayConfig(
+        api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        cors_origins=tuple(args.cors_origin or ()), max_queued_requests=limit,
+        served_model_names=tuple(args.served_model_name or ()),
+        host=args.host, port=args.port)
+
+
+def _wanted(args: argparse.Namespace) -> tuple[bool, bool]:
+    """(serve an LLM, serve diffusion): both by default; naming models of only one kind
+    serves only that kind."""
+    named_llm, named_diff = bool(args.model_path), bool(args.diffusion_model_path)
+    llm = not args.no_llm and (named_llm or not named_diff)
+    diffusion = not args.no_diffusion and (named_diff or not named_llm)
+    if not (llm or diffusion):
+        raise ValueError("nothing to serve: --no-llm and --no-diffusion were both given")
+    return llm, diffusion
+
+
+async def _start_llms(args: argparse.Namespace) -> list[LLMEngineClient]:
+    from genserve.srt.engine import AsyncEngine
+
+    clients: list[LLMEngineClient] = []
+    for path in args.model_path or [None]:
+        engine_args = engine_args_from(args, path)
+        logger.info("loading LLM %s", path or "(embedded SmolLM2-135M-Instruct)")
+        engine = AsyncEngine(engine_args)
+        clients.append(engine)
+        info = await engine.server_info()
+        logger.info("LLM %r ready: context length %d, KV pool %s tokens", engine.model_name,
+                    engine.context_length, info.get("max_total_tokens", "?"))
+    return clients
+
+
+async def _start_diffusion(args: argparse.Namespace) -> Any | None:
+    try:
+        from genserve.multimodal_gen.launch import start_diffusion_client
+    except ImportError as exc:
+        logger.warning("diffusion runtime unavailable (%s); serving LLMs only", exc)
+        return None
+    paths = args.diffusion_model_path or None
+    logger.info("loading diffusion models %s", paths or "(embedded defaults)")
+    client = await asyncio.to_thread(start_diffusion_client, paths, args)
+    logger.info("diffusion models ready: %s", ", ".join(m["id"] for m in client.list_models()))
+    return client
+
+
+def _make_server(app: Any, config: GatewayConfig, log_level: str) -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn re-raises the signal after serving, which would kill us before the
+            # engines are shut down; here a signal only asks the server to exit.
+            loop = asyncio.get_running_loop()
+
+            def on_signal(sig: int) -> None:
+                if self.should_exit and sig == signal.SIGINT:
+                    self.force_exit = True
+                self.should_exit = True
+
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, on_signal, sig)
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+    return Server(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=log_level, lifespan="off",
+        timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S))
+
+
+async def serve(args: argparse.Namespace, log_level: str) -> None:
+    from genserve.entrypoints.app import create_app
+
+    config = gateway_config_from(args)
+    want_llm, want_diffusion = _wanted(args)
+    llm_clients: list[LLMEngineClient] = []
+    diffusion_client = None
+    try:
+        if want_llm:
+            llm_clients = await _start_llms(args)
+        if want_diffusion:
+            diffusion_client = await _start_diffusion(args)
+        app = create_app(config, llm_clients, diffusion_client)
+        server = _make_server(app, config, log_level)
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        logger.info("genserve listening on http://%s:%d (models: %s)", host, config.port,
+                    ", ".join(app.state.gateway.llm_names()) or "none")
+        await server.serve()
+    finally:
+        logger.info("shutting down")
+        for client in llm_clients:
+            await _quietly(client.shutdown())
+        if diffusion_client is not None:
+            await _quietly(diffusion_client.shutdown())
+
+
+async def _quietly(coro: Any) -> None:
+    try:
+        await coro
+    except Exception as exc:  # shutting one runtime down must not skip the others
+        logger.warning("shutdown error: %s", exc)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    log_level = configure_logging(args.log_level)
+    asyncio.run(serve(args, log_level))
+    return 0

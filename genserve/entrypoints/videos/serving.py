@@ -1,0 +1,182 @@
+"""Video jobs: created at once, run in the background on the diffusion client, encoded to MP4
+and stored; progress is the fraction of denoising steps done (no torch)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from genserve.entrypoints.errors import APIError, bad_request, not_found
+from genserve.entrypoints.images.protocol import step_cache_config
+from genserve.entrypoints.images.serving import parse_size_param, resolve_model
+from genserve.entrypoints.videos.protocol import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    FINISHED,
+    IN_PROGRESS,
+    VideoCreateRequest,
+    VideoJob,
+)
+from genserve.multimodal_gen.client import DiffusionEngineClient
+from genserve.multimodal_gen.encoding import encode_mp4
+from genserve.multimodal_gen.messages import (
+    TEXT_TO_VIDEO,
+    DiffusionRequest,
+    ErrorEvent,
+    ModelSpec,
+    ResultEvent,
+    StepCacheConfig,
+    StepEvent,
+)
+from genserve.multimodal_gen.output_store import OutputStore
+from genserve.multimodal_gen.validation import MAX_OUTPUTS, MAX_SEED, resolve_request
+
+logger = logging.getLogger(__name__)
+MAX_FINISHED_JOBS = 1000  # older finished jobs are forgotten (their files age out of the store)
+
+
+class VideoServing:
+    def __init__(self, client: DiffusionEngineClient, store: OutputStore):
+        self.client = client
+        self.store = store
+        self.jobs: OrderedDict[str, VideoJob] = OrderedDict()
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    async def create(self, body: VideoCreateRequest) -> dict[str, Any]:
+        spec = resolve_model(self.client, body.model, TEXT_TO_VIDEO, "/v1/videos")
+        width, height = parse_size_param(body.size)
+        fps = body.fps or spec.default_fps or 16
+        num_frames = self._num_frames(body, spec, fps)
+        seed = body.seed if body.seed is not None else random.randrange(MAX_SEED - MAX_OUTPUTS)
+        job_id = f"video_{uuid.uuid4().hex}"
+        req = DiffusionRequest(
+            request_id=job_id, model=spec.name, prompt=body.prompt,
+            negative_prompt=body.negative_prompt, width=width, height=height,
+            num_frames=num_frames, fps=fps, num_inference_steps=body.num_inference_steps,
+            guidance_scale=body.guidance_scale, seed=seed,
+            step_cache=step_cache_config(body.step_cache),
+        )
+        try:  # check now, so bad input is a 400 and not a failed job
+            resolved = resolve_request(req, spec, StepCacheConfig())
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        job = VideoJob(
+            id=job_id, model=spec.name, prompt=body.prompt,
+            size=f"{resolved.width}x{resolved.height}", num_frames=resolved.num_frames, fps=fps,
+            created_at=int(time.time()), total_steps=resolved.num_inference_steps, seed=seed,
+        )
+        self.jobs[job_id] = job
+        self._forget_old_jobs()
+        self._tasks[job_id] = asyncio.create_task(self._run(job, req))
+        return job.to_dict()
+
+    @staticmethod
+    def _num_frames(body: VideoCreateRequest, spec: ModelSpec, fps: int) -> int | None:
+        if body.seconds is not None and body.num_frames is not None:
+            raise bad_request("give seconds or num_frames, not both", param="seconds")
+        if body.seconds is None:
+            return body.num_frames
+        frames = body.seconds * fps + 1  # a clip of s seconds spans s*fps intervals
+        if abs(frames - round(frames)) > 1e-6 or not spec.frame_count_ok(round(frames)):
+            raise bad_request(
+                f"seconds={body.seconds:g} at {fps} fps is {frames:g} frames, which model "
+                f"{spec.name} cannot make (it needs {spec.frame_rule} frames, at most "
+                f"{spec.max_num_frames}); pass num_frames instead", param="seconds")
+        return round(frames)
+
+    async def _run(self, job: VideoJob, req: DiffusionRequest) -> None:
+        try:
+            async for event in self.client.stream(req):
+                if isinstance(event, StepEvent):
+                    job.status = IN_PROGRESS
+                    job.steps_done, job.total_steps = event.step, event.total_steps
+                    job.progress = min(99, int(100 * event.step / max(1, event.total_steps)))
+                elif isinstance(event, ResultEvent):
+                    data = await asyncio.to_thread(encode_mp4, event.outputs[0], job.fps)
+                    await asyncio.to_thread(self.store.put, job.id, data, "mp4")
+                    job.cached_steps, job.timings = event.cached_steps, event.timings
+                    self._finish(job, COMPLETED)
+                    job.progress = 100
+                elif isinstance(event, ErrorEvent):
+                    if event.status == 499:
+                        self._finish(job, CANCELLED)
+                    else:
+                        self._finish(job, FAILED, {"code": str(event.status),
+                                                   "message": event.message})
+        except asyncio.CancelledError:
+            self._finish(job, CANCELLED)
+            raise
+        except Exception as exc:  # encoding or storage failed
+            logger.exception("video job %s failed", job.id)
+            self._finish(job, FAILED, {"code": "500", "message": f"{type(exc).__name__}: {exc}"})
+        finally:
+            self._tasks.pop(job.id, None)
+            if job.status not in FINISHED:
+                self._finish(job, FAILED, {"code": "503", "message": "the job ended early"})
+
+    @staticmethod
+    def _finish(job: VideoJob, status: str, error: dict | None = None) -> None:
+        if job.status in FINISHED:
+            return
+        job.status, job.error, job.completed_at = status, error, int(time.time())
+
+    def _forget_old_jobs(self) -> None:
+        finished = [jid for jid, job in self.jobs.items() if job.status in FINISHED]
+        for jid in finished[: max(0, len(finished) - MAX_FINISHED_JOBS)]:
+            del self.jobs[jid]
+
+    def get(self, job_id: str) -> VideoJob:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise not_found(f"no video job with id {job_id!r}", param="video_id")
+        return job
+
+    def list(self, limit: int = 20, order: str = "desc") -> dict[str, Any]:
+        if not 1 <= limit <= 100:
+            raise bad_request("limit must be between 1 and 100", param="limit")
+        if order not in ("asc", "desc"):
+            raise bad_request("order must be asc or desc", param="order")
+        jobs = list(self.jobs.values())
+        if order == "desc":
+            jobs.reverse()
+        page = [job.to_dict() for job in jobs[:limit]]
+        return {"object": "list", "data": page, "has_more": len(jobs) > limit,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None}
+
+    def content(self, job_id: str):
+        job = self.get(job_id)
+        if job.status != COMPLETED:
+            raise APIError(409, f"video {job_id} is {job.status}; its content exists once it is "
+                                "completed", param="video_id", code="video_not_ready")
+        found = self.store.get(job_id)
+        if found is None:
+            raise not_found(f"the content of video {job_id} has expired")
+        return found
+
+    async def delete(self, job_id: str) -> dict[str, Any]:
+        """Cancel a queued/running job (it stops at the next step) or remove a finished one."""
+        job = self.get(job_id)
+        if job.status not in FINISHED:
+            await self.client.cancel(job_id)
+            task = self._tasks.get(job_id)
+            if task is not None:
+                # The worker answers the cancel with ErrorEvent(499); wait for it briefly.
+                done, _ = await asyncio.wait({task}, timeout=5.0)
+                if not done:
+                    task.cancel()
+            self._finish(job, CANCELLED)
+            return job.to_dict()
+        self.jobs.pop(job_id, None)
+        self.store.delete(job_id)
+        return {"id": job_id, "object": "video.deleted", "deleted": True}
+
+    async def close(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()

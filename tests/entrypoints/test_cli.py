@@ -1,0 +1,47 @@
+"""CLI parsing and the flag -> config mapping (the runtimes themselves are not started)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from genserve.entrypoints.cli import build_parser, main
+from genserve.entrypoints.serve import _wanted, engine_args_from, gateway_config_from
+
+
+def test_serve_defaults_and_mapping():
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port) == ("127.0.0.1", 30000)
+    assert _wanted(args) == (True, True)
+    cfg = gateway_config_from(args)
+    assert cfg.api_key is None and cfg.cors_origins == () and cfg.max_queued_requests is None
+    args = build_parser().parse_args([
+        "serve", "--model-path", "/m.gguf", "--max-queued-requests", "8",
+        "--max-running-requests", "4", "--api-key", "k", "--disable-radix-cache",
+        "--chunked-prefill-size", "512", "--dtype", "float32", "--max-total-tokens", "4096",
+        "--schedule-policy", "lpm", "--cors-origin", "http://a.example"])
+    assert _wanted(args) == (True, False)
+    cfg = gateway_config_from(args)
+    assert cfg.max_queued_requests == 12 and cfg.api_key == "k"
+    assert cfg.cors_origins == ("http://a.example",)
+    engine = engine_args_from(args, "/m.gguf")
+    assert engine.model_path == "/m.gguf" and engine.disable_radix_cache
+    assert engine.chunked_prefill_size == 512 and engine.dtype == "float32"
+    assert engine.max_queued_requests == 8 and engine.schedule_policy == "lpm"
+    args = build_parser().parse_args(["serve", "--diffusion-model-path", "tiny-flux"])
+    assert _wanted(args) == (False, True)
+
+
+def test_bad_values_are_one_line_errors(capsys):
+    assert main(["serve", "--no-llm", "--no-diffusion"]) == 2
+    assert "nothing to serve" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--schedule-policy", "random"])
+
+
+def test_console_help_runs():
+    result = subprocess.run([sys.executable, "-m", "genserve.entrypoints.cli", "serve",
+                             "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "--max-queued-requests" in result.stdout
