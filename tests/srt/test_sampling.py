@@ -23,6 +23,7 @@ from genserve.srt.sampling.sampler import (
     apply_temperature,
     apply_top_k,
     apply_top_p,
+    sample_from_probs,
 )
 from genserve.srt.sampling.sampling_params import SamplingParams
 
@@ -142,9 +143,10 @@ def test_top_k_per_row_and_disabled():
 
 
 @pytest.mark.parametrize("top_p", [0.05, 0.3, 0.8, 0.95])
-def test_top_p_matches_transformers(top_p):
+@pytest.mark.parametrize("candidates", [4, 256])  # 4: the top-k shortcut and its fallback
+def test_top_p_matches_transformers(top_p, candidates):
     logits = make_logits(batch=8, seed=1)
-    ours = apply_top_p(logits, torch.full((8,), top_p))
+    ours = apply_top_p(logits, torch.full((8,), top_p), candidates=candidates)
     ref = TopPLogitsWarper(top_p)(None, logits.clone())
     assert finite_set(ours) == finite_set(ref)
     kept = torch.isfinite(ours)
@@ -154,7 +156,24 @@ def test_top_p_matches_transformers(top_p):
 
 def test_top_p_one_keeps_everything():
     logits = make_logits()
-    assert torch.equal(apply_top_p(logits, torch.ones(4)), logits)
+    for candidates in (4, 256):
+        ps = torch.tensor([1.0, 0.01, 1.0, 0.01])
+        out = apply_top_p(logits, ps, candidates=candidates)
+        assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+        assert [len(s) for s in finite_set(out)][1::2] == [1, 1]
+
+
+def test_sample_from_probs_draws_only_allowed_tokens_in_proportion():
+    probs = torch.zeros(2, VOCAB)
+    probs[0, [1, 2, 40]] = torch.tensor([0.5, 0.3, 0.2])
+    probs[1, VOCAB - 2] = 1.0  # first and last entries have probability 0
+    g = seeded(0)
+    draws = torch.stack([sample_from_probs(probs, g) for _ in range(2000)])  # [2000, 2]
+    assert set(draws[:, 1].tolist()) == {VOCAB - 2}
+    row0 = draws[:, 0].tolist()
+    assert set(row0) == {1, 2, 40}
+    for token, p in ((1, 0.5), (2, 0.3), (40, 0.2)):
+        assert abs(row0.count(token) / len(row0) - p) < 0.05
 
 
 @pytest.mark.parametrize("min_p", [0.01, 0.1, 0.5, 1.0])

@@ -9,6 +9,10 @@ Semantics:
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 
@@ -59,21 +63,23 @@ def apply_penalties(
 
 
 def token_counts(
-    token_lists: list[list[int]], vocab_size: int, device: torch.device | str
+    token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str
 ) -> torch.Tensor:
     """[B, V] float32 counts of each token id per row, built with one scatter_add.
 
     Ids outside [0, vocab_size) are ignored (they cannot be sampled, so they need no penalty).
+    The ids go through numpy: torch.tensor() on a long Python list is ~10x slower.
     """
     batch = len(token_lists)
     counts = torch.zeros(batch, vocab_size, dtype=torch.float32, device=device)
-    lengths = [len(t) for t in token_lists]
-    if sum(lengths) == 0:
+    lengths = np.fromiter((len(t) for t in token_lists), dtype=np.int64, count=batch)
+    total = int(lengths.sum())
+    if total == 0:
         return counts
-    flat = torch.tensor([t for row in token_lists for t in row], dtype=torch.long)
-    rows = torch.repeat_interleave(torch.arange(batch), torch.tensor(lengths))
+    flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=total)
+    rows = np.repeat(np.arange(batch, dtype=np.int64), lengths)
     valid = (flat >= 0) & (flat < vocab_size)
     # Flattened index row * V + id: scatter_add on the [B * V] view counts repeats correctly.
-    index = (rows[valid] * vocab_size + flat[valid]).to(device)
+    index = torch.from_numpy(rows[valid] * vocab_size + flat[valid]).to(device)
     counts.view(-1).scatter_add_(0, index, torch.ones(index.numel(), device=device))
     return counts

@@ -23,6 +23,7 @@ from genserve.srt.sampling.processors import (
     apply_token_mask,
     apply_top_k,
     apply_top_p,
+    sample_from_probs,
 )
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "apply_token_mask",
     "apply_top_k",
     "apply_top_p",
+    "sample_from_probs",
 ]
 
 
@@ -114,11 +116,12 @@ class Sampler:
         probs = torch.softmax(x, dim=-1)
 
         next_ids = torch.zeros(info.batch_size, dtype=torch.long, device=x.device)
+        # Seeded rows one by one: a row's draw then depends only on its probs and generator.
         for row in info.seeded_rows:
-            next_ids[row] = torch.multinomial(probs[row], 1, generator=info.generators[row])[0]
+            next_ids[row] = sample_from_probs(probs[row : row + 1], info.generators[row])[0]
         if info.unseeded_rows is not None:
             rows = info.unseeded_rows
-            next_ids[rows] = torch.multinomial(probs[rows], 1).view(-1)
+            next_ids[rows] = sample_from_probs(probs[rows])
         if greedy_ids is not None:
             next_ids = torch.where(info.greedy_mask, greedy_ids, next_ids)
         return next_ids
