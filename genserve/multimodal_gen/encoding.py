@@ -67,7 +67,7 @@ def encode_mp4(frames: np.ndarray, fps: int, crf: int = 18) -> bytes:
 
 
 def probe_mp4(path: str | Path) -> dict:
-    """{codec, pix_fmt, fps, num_frames, width, height} of an MP4, read with the bundled ffmpeg."""
+    """{faststart, codec, pix_fmt, fps, num_frames, width, height} of an MP4, read with the bundled ffmpeg."""
     import imageio_ffmpeg
 
     reader = imageio_ffmpeg.read_frames(str(path))
@@ -76,7 +76,10 @@ def probe_mp4(path: str | Path) -> dict:
     info = subprocess.run([ffmpeg_exe(), "-hide_banner", "-i", str(path)],
                           capture_output=True, text=True).stderr
     video_line = next((ln for ln in info.splitlines() if "Video:" in ln), "")
+    head = Path(path).read_bytes()
     return {
+        # faststart: the index (moov box) comes before the media data (mdat box).
+        "faststart": 0 <= head.find(b"moov") < head.find(b"mdat"),
         "codec": video_line.split("Video:")[1].split()[0] if video_line else None,
         "pix_fmt": "yuv420p" if "yuv420p" in video_line else None,
         "fps": meta.get("fps"),

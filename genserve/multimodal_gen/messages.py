@@ -117,6 +117,7 @@ class ResultEvent:
     total_steps: int
     timings: dict[str, float] = field(default_factory=dict)  # ms: queue, denoise, decode, total
     seeds: list[int] = field(default_factory=list)  # the seed each output used
+    batch_size: int = 1  # requests that shared the pipeline call
 
 
 @dataclass

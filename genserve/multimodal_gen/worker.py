@@ -147,7 +147,7 @@ class _Worker:
                 timings["total"] = (time.time() - req.submitted_at) * 1e3
                 self.outbox.put(ResultEvent(
                     req.request_id, list(rows), req.fps, out.cached_steps, out.total_steps,
-                    timings, list(req.seeds)))
+                    timings, list(req.seeds), batch_size=len(batch)))
         self.running = {}
         self.cancelled = set()
 

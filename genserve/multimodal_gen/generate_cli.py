@@ -1,0 +1,121 @@
+"""`genserve generate` for diffusion models: one request in this process, no server.
+
+    genserve generate --model tiny-flux --prompt "a red cat" --output cat.png
+    genserve generate --model tiny-wan --prompt "a bird flying" --output bird.mp4
+
+The output's extension picks the format (.png / .jpg / .webp for images, .mp4 for videos); a
+tqdm bar follows the denoising steps. With n > 1 outputs are written as name-0.png, name-1.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import uuid
+from pathlib import Path
+
+from genserve.multimodal_gen.messages import TEXT_TO_VIDEO, DiffusionRequest, StepCacheConfig
+from genserve.multimodal_gen.validation import resolve_request
+
+_IMAGE_EXT = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags `run` reads (the gateway CLI may already define most of them)."""
+    p.add_argument("--model", default=None,
+                   help="Embedded name (tiny-flux, tiny-wan), diffusers folder or hub id.")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--output", required=True, help="out.png / .jpg / .webp, or out.mp4")
+    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--height", type=int, default=None)
+    p.add_argument("--num-frames", type=int, default=None)
+    p.add_argument("--fps", type=int, default=None)
+    p.add_argument("--num-inference-steps", type=int, default=None)
+    p.add_argument("--guidance-scale", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--n", type=int, default=1, help="Number of outputs.")
+    p.add_argument("--step-cache", default="none", choices=("none", "dbcache"))
+    p.add_argument("--step-cache-threshold", type=float, default=None)
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--device", default="auto")
+    p.add_argument("--diffusion-cpu-offload", action="store_true")
+
+
+def _model_name(args: argparse.Namespace, output: Path) -> str:
+    model = getattr(args, "model", None)
+    paths = getattr(args, "diffusion_model_path", None)
+    if model:
+        return model
+    if paths:
+        return paths[0]
+    video = getattr(args, "task", None) == TEXT_TO_VIDEO or output.suffix.lower() == ".mp4"
+    return "tiny-wan" if video else "tiny-flux"
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from genserve.multimodal_gen.encoding import encode_image, encode_mp4
+    from genserve.multimodal_gen.launch import default_step_cache_from_args
+    from genserve.multimodal_gen.pipelines import LoadOptions, load_model
+
+    output = Path(args.output)
+    suffix = output.suffix.lower()
+    if suffix not in _IMAGE_EXT and suffix != ".mp4":
+        print(f"genserve generate: --output must end in .png, .jpg, .webp or .mp4, got {output}",
+              file=sys.stderr)
+        return 2
+    options = LoadOptions(dtype=getattr(args, "dtype", None) or "auto",
+                          device=getattr(args, "device", None) or "auto",
+                          cpu_offload=bool(getattr(args, "diffusion_cpu_offload", False)))
+    model = load_model(_model_name(args, output), options)
+    spec = model.spec
+    if (spec.task == TEXT_TO_VIDEO) != (suffix == ".mp4"):
+        kind = "a video (.mp4)" if spec.task == TEXT_TO_VIDEO else "an image (.png/.jpg/.webp)"
+        print(f"genserve generate: model {spec.name} makes {kind}; change --output",
+              file=sys.stderr)
+        return 2
+    req = DiffusionRequest(
+        request_id=uuid.uuid4().hex, model=spec.name, prompt=args.prompt,
+        negative_prompt=args.negative_prompt, width=args.width, height=args.height,
+        num_frames=args.num_frames, fps=args.fps, num_inference_steps=args.num_inference_steps,
+        guidance_scale=args.guidance_scale, seed=args.seed,
+        num_outputs=getattr(args, "n", 1) or 1,
+    )
+    try:
+        resolved = resolve_request(req, spec, default_step_cache_from_args(args)
+                                   if getattr(args, "step_cache", None) else StepCacheConfig())
+    except ValueError as exc:
+        print(f"genserve generate: {exc}", file=sys.stderr)
+        return 2
+    bar = tqdm(total=resolved.num_inference_steps, desc=f"{spec.name} denoising", unit="step")
+
+    def on_step(step: int, total: int, tensors: dict) -> None:
+        bar.total = total
+        bar.update(step - bar.n)
+
+    out = model.generate([resolved], on_step)
+    bar.close()
+    paths = [output] if len(out.frames) == 1 else [
+        output.with_name(f"{output.stem}-{i}{output.suffix}") for i in range(len(out.frames))]
+    for path, frames in zip(paths, out.frames, strict=True):
+        if suffix == ".mp4":
+            data = encode_mp4(frames, resolved.fps or 16)
+        else:
+            data = encode_image(frames[0], _IMAGE_EXT[suffix])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        print(f"wrote {path} ({frames.shape[2]}x{frames.shape[1]}, {frames.shape[0]} frame(s), "
+              f"seed {resolved.seeds[paths.index(path)]}, {out.cached_steps} cached steps)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="genserve-generate-diffusion")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
