@@ -21,6 +21,24 @@ _FP8_DTYPES = tuple(
 )
 
 
+def canonical_device(device: str | torch.device) -> torch.device:
+    """`cuda` -> `cuda:0`, so comparing with a tensor's `.device` is exact."""
+    return torch.empty(0, device=device).device
+
+
+def slot_counts(slots: torch.Tensor, size: int, owner: str) -> torch.Tensor:
+    """[size + 1] how often each slot occurs in `slots`; IntegrityError if any is outside
+    [1, size] (slot 0 is the padding slot and never owned)."""
+    if slots.numel():
+        lo, hi = (int(x) for x in torch.aminmax(slots))
+        if lo < 1 or hi > size:
+            raise IntegrityError(
+                f"{owner}: slot outside [1, {size}] (min {lo}, max {hi}); "
+                "slot 0 is the padding slot"
+            )
+    return torch.bincount(slots, minlength=size + 1)
+
+
 class ReqToTokenPool:
     """Rows of KV slot indices, one row per running request."""
 
@@ -32,7 +50,7 @@ class ReqToTokenPool:
             )
         self.size = size
         self.max_context_len = max_context_len
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         # [size, max_context_len] int64: KV slot of token j of the request in row r.
         self.req_to_token = torch.zeros(
             (size, max_context_len), dtype=torch.int64, device=self.device
@@ -104,7 +122,7 @@ class MHATokenToKVPool:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.store_dtype = torch.uint8 if dtype in _FP8_DTYPES else dtype
         # One allocation each for K and V: [num_layers, size + 1, num_kv_heads, head_dim];
         # row 0 of every layer is the padding slot.
@@ -157,7 +175,7 @@ class TokenToKVPoolAllocator:
         if size <= 0:
             raise ValueError(f"TokenToKVPoolAllocator needs size > 0, got {size}")
         self.size = size
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self._group: list[torch.Tensor] | None = None
         self.clear()
 
@@ -178,7 +196,11 @@ class TokenToKVPoolAllocator:
     def free(self, indices: torch.Tensor) -> None:
         if indices.numel() == 0:
             return
-        indices = indices.to(device=self.device, dtype=torch.int64).reshape(-1)
+        # Skip no-op conversions: this runs for many small tensors every step.
+        if indices.dtype != torch.int64 or indices.device != self.device:
+            indices = indices.to(device=self.device, dtype=torch.int64)
+        if indices.dim() != 1:
+            indices = indices.reshape(-1)
         self._released_count += indices.numel()
         (self._released if self._group is None else self._group).append(indices)
 
@@ -206,27 +228,20 @@ class TokenToKVPoolAllocator:
         # Slots in `_released` and `_group`.
         self._released_count = 0
 
-    def free_slots(self) -> torch.Tensor:
-        """All free slots (sorted), for tests and integrity checks; not for the hot path."""
-        pending = self._group or []
-        slots = torch.cat([self._free_slots, *self._released, *pending])
-        return torch.sort(slots).values
+    def free_slots(self, sort: bool = True) -> torch.Tensor:
+        """All free slots, for tests and integrity checks; not for the hot path."""
+        slots = torch.cat([self._free_slots, *self._released, *(self._group or [])])
+        return torch.sort(slots).values if sort else slots
 
     def check_integrity(self) -> None:
-        slots = self.free_slots()
-        if slots.numel() > self.size:
+        slots = self.free_slots(sort=False)
+        if slots.numel() != self.available_size():
             raise IntegrityError(
-                f"TokenToKVPoolAllocator: {slots.numel()} free slots > pool size {self.size} "
-                "(double free?)"
+                f"TokenToKVPoolAllocator: counted {self.available_size()} free slots, "
+                f"found {slots.numel()}"
             )
-        if slots.numel() == 0:
-            return
-        if int(slots[0]) < 1 or int(slots[-1]) > self.size:
-            raise IntegrityError(
-                f"TokenToKVPoolAllocator: free slot outside [1, {self.size}] "
-                f"(min {int(slots[0])}, max {int(slots[-1])}); slot 0 is the padding slot"
-            )
-        dup = slots[1:][slots[1:] == slots[:-1]]
+        counts = slot_counts(slots, self.size, "TokenToKVPoolAllocator")
+        dup = torch.nonzero(counts > 1).flatten()
         if dup.numel():
             raise IntegrityError(f"TokenToKVPoolAllocator: slots freed twice: {dup[:8].tolist()}")
 

@@ -18,7 +18,7 @@ import torch
 
 from genserve.srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 from genserve.srt.mem_cache.errors import IntegrityError
-from genserve.srt.mem_cache.memory_pool import TokenToKVPoolAllocator
+from genserve.srt.mem_cache.memory_pool import TokenToKVPoolAllocator, slot_counts
 
 # Mismatch search compares this many tokens per slice before falling back to single tokens.
 _CHUNK = 64
@@ -356,18 +356,12 @@ class RadixCache(BasePrefixCache):
             stack.extend(node.children.values())
 
     def _check_slots(self) -> None:
-        slots = torch.sort(self.owned_slots()).values
-        if slots.numel() == 0:
-            return
-        if int(slots[0]) < 1 or int(slots[-1]) > self.allocator.size:
-            raise IntegrityError(
-                f"tree holds slots outside [1, {self.allocator.size}] "
-                f"(min {int(slots[0])}, max {int(slots[-1])})"
-            )
-        dup = slots[1:][slots[1:] == slots[:-1]]
+        size = self.allocator.size
+        tree = slot_counts(self.owned_slots(), size, "RadixCache")
+        dup = torch.nonzero(tree > 1).flatten()
         if dup.numel():
             raise IntegrityError(f"slots held twice by the tree: {dup[:8].tolist()}")
-        free = self.allocator.free_slots()
-        both = slots[torch.isin(slots, free)]
+        free = slot_counts(self.allocator.free_slots(sort=False), size, "TokenToKVPoolAllocator")
+        both = torch.nonzero((tree > 0) & (free > 0)).flatten()
         if both.numel():
             raise IntegrityError(f"slots both cached and free: {both[:8].tolist()}")
