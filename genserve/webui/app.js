@@ -1,0 +1,370 @@
+// genserve realtime video client: a WebSocket session, a decoder Web Worker, and a
+// requestAnimationFrame draw loop. Protocol: DESIGN.md "Realtime video over WebSocket".
+"use strict";
+
+(() => {
+  const $ = (id) => document.getElementById(id);
+  const canvas = $("canvas");
+  const ctx = canvas.getContext("2d");
+  const KIND_PREVIEW = 0;
+  const KIND_FINAL = 1;
+  // Errors after which the server is still running the generation (it only refused a message).
+  const NON_FATAL = new Set(["busy", "not_running", "invalid_json", "invalid_message"]);
+
+  const state = {
+    ws: null,
+    reconnectDelayMs: 500,
+    running: false,
+    awaitingStart: false,
+    run: 0,               // bumped on every start/stop: frames of older runs are discarded
+    settings: null,       // the server's `started` message
+    models: [],
+    startSentAt: 0,
+    firstPreviewSeen: false,
+    finals: [],           // decoded final frames waiting for their turn on the canvas
+    preview: null,        // the newest decoded preview {bitmap, drawn}
+    lastFinalDrawnAt: -1e9,
+    drawTimes: [],        // performance.now() of recent canvas draws (render fps)
+    frameBytes: [],
+    decodeMs: [],
+  };
+  // Counters for people and tests (the browser test reads them).
+  const stats = {
+    previewsReceived: 0, previewsDrawn: 0, finalsReceived: 0, finalsDrawn: 0,
+    finalDrawTimes: [], chunksDone: 0, errors: [], lastChunkStats: null,
+  };
+  window.genserveRealtime = { state, stats };
+
+  // ---- decoder worker ----
+  const worker = new Worker("/ui/decoder_worker.js");
+  worker.onmessage = (event) => onDecoded(event.data);
+  worker.onerror = (event) => showError(`Frame decoder failed: ${event.message}`);
+
+  // ---- connection (reconnects after a server restart) ----
+  function wsUrl() {
+    const proto = location.protocol === "https:" ? "wss:" : "ws:";
+    return `${proto}//${location.host}/v1/realtime/video`;
+  }
+
+  function setConnection(status, text) {
+    const badge = $("connection");
+    badge.dataset.status = status;
+    badge.textContent = text;
+  }
+
+  function connect() {
+    setConnection("connecting", "connecting…");
+    const ws = new WebSocket(wsUrl());
+    ws.binaryType = "arraybuffer";
+    state.ws = ws;
+    ws.onopen = () => {
+      state.reconnectDelayMs = 500;
+      setConnection("open", "connected");
+      loadModels();
+      updateButtons();
+    };
+    ws.onmessage = (event) => {
+      if (typeof event.data === "string") onControl(JSON.parse(event.data));
+      else onFrame(event.data);
+    };
+    ws.onclose = (event) => {
+      state.ws = null;
+      if (state.running || state.awaitingStart) {
+        showError(`Connection lost (code ${event.code}); the generation stopped.`);
+        finishRun("error");
+      }
+      const delay = state.reconnectDelayMs;
+      state.reconnectDelayMs = Math.min(delay * 2, 5000);
+      setConnection("closed", `disconnected · retrying in ${(delay / 1000).toFixed(1)} s`);
+      updateButtons();
+      setTimeout(connect, delay);
+    };
+  }
+
+  // ---- models ----
+  async function loadModels() {
+    let cards;
+    try {
+      const response = await fetch("/v1/models");
+      const body = await response.json();
+      if (!response.ok) throw new Error(body.error ? body.error.message : response.statusText);
+      cards = body.data.filter((m) => m.kind === "diffusion");
+    } catch (err) {
+      showError(`Could not list models: ${err.message}`);
+      return;
+    }
+    // Video models first: this page plays video; image models give one-frame chunks.
+    cards.sort((a, b) => (b.task === "text-to-video") - (a.task === "text-to-video"));
+    const select = $("model");
+    const previous = select.value;
+    state.models = cards;
+    select.replaceChildren(...cards.map((m) => {
+      const option = document.createElement("option");
+      option.value = m.id;
+      option.textContent = `${m.id} (${m.task})`;
+      return option;
+    }));
+    if (!cards.length) {
+      showError("This server serves no diffusion model.");
+      return;
+    }
+    if (cards.some((m) => m.id === previous)) {
+      select.value = previous;
+    } else {
+      select.value = cards[0].id;
+      applyModelDefaults();
+    }
+  }
+
+  function applyModelDefaults() {
+    const card = state.models.find((m) => m.id === $("model").value);
+    if (!card) return;
+    const [w, h] = String(card.default_size || "").split("x").map(Number);
+    if (w && h) { $("width").value = w; $("height").value = h; }
+    const factor = card.size_factor || 16;
+    $("width").step = $("height").step = factor;
+    $("width").min = $("height").min = factor;
+    if (card.default_steps) $("steps").value = card.default_steps;
+    $("frames").value = card.task === "text-to-video" ? (card.default_num_frames || 1) : 1;
+    if (card.default_fps) $("fps").value = card.default_fps;
+  }
+
+  // ---- user actions ----
+  function intValue(id) {
+    const value = $(id).value.trim();
+    return value === "" ? undefined : Number.parseInt(value, 10);
+  }
+
+  function start() {
+    if (!state.ws || state.ws.readyState !== WebSocket.OPEN) {
+      showError("Not connected to the server yet.");
+      return;
+    }
+    const prompt = $("prompt").value.trim();
+    if (!prompt) {
+      showError("Write a prompt first.");
+      return;
+    }
+    const message = {
+      type: "start",
+      model: $("model").value || undefined,
+      prompt,
+      width: intValue("width"),
+      height: intValue("height"),
+      num_inference_steps: intValue("steps"),
+      num_frames: intValue("frames"),
+      fps: intValue("fps"),
+      seed: intValue("seed"),
+      preview_format: $("format").value,
+      preview_quality: intValue("quality"),
+      continuous: $("continuous").checked,
+    };
+    clearError();
+    resetRun();
+    state.awaitingStart = true;
+    state.startSentAt = performance.now();
+    state.ws.send(JSON.stringify(message));
+    setStage("starting…", 0);
+    document.body.dataset.state = "starting";
+    updateButtons();
+  }
+
+  function stop() {
+    if (state.ws && state.ws.readyState === WebSocket.OPEN) {
+      state.ws.send(JSON.stringify({ type: "stop" }));
+    }
+    resetRun();  // drop frames already on their way
+    updateButtons();
+  }
+
+  function sendPrompt() {
+    const prompt = $("prompt").value.trim();
+    if (!prompt || !state.running || !state.ws) return;
+    state.ws.send(JSON.stringify({ type: "prompt", prompt }));
+    setStage(`${$("stage").textContent} · new prompt queued`);
+  }
+
+  function resetRun() {
+    state.run += 1;
+    for (const frame of state.finals) frame.bitmap.close();
+    state.finals = [];
+    if (state.preview) state.preview.bitmap.close();
+    state.preview = null;
+    state.firstPreviewSeen = false;
+  }
+
+  // ---- server messages ----
+  function onControl(message) {
+    switch (message.type) {
+      case "started":
+        state.awaitingStart = false;
+        state.running = true;
+        state.settings = message;
+        canvas.width = message.width;
+        canvas.height = message.height;
+        document.body.dataset.state = "running";
+        setStage(`step 0/${message.num_inference_steps}`, 0);
+        break;
+      case "progress":
+        setStage(`chunk ${message.chunk + 1} · step ${message.step}/${message.total_steps}`,
+          message.step / message.total_steps);
+        break;
+      case "chunk_done":
+        stats.chunksDone += 1;
+        stats.lastChunkStats = message.stats;
+        $("chunk-time").textContent = `${Math.round(message.stats.generate_ms)} ms`;
+        break;
+      case "done":
+        setStage(message.stopped ? "stopped" : `done · ${message.chunks} chunk(s)`,
+          message.stopped ? undefined : 1);
+        finishRun(message.stopped ? "stopped" : "done");
+        break;
+      case "error":
+        stats.errors.push(message);
+        showError(`${message.message} (${message.code})`);
+        if ((state.running || state.awaitingStart) && !NON_FATAL.has(message.code)) {
+          finishRun("error");
+        }
+        break;
+      default:
+        break;
+    }
+  }
+
+  function finishRun(finalState) {
+    state.running = false;
+    state.awaitingStart = false;
+    document.body.dataset.state = finalState;
+    updateButtons();
+  }
+
+  function onFrame(buffer) {
+    worker.postMessage({ buffer, run: state.run, receivedAt: performance.now() }, [buffer]);
+  }
+
+  function onDecoded(result) {
+    if (result.error) {
+      if (result.run === state.run) showError(`Could not decode a frame: ${result.error}`);
+      return;
+    }
+    if (result.run !== state.run) {
+      result.bitmap.close();
+      return;
+    }
+    pushWindow(state.frameBytes, result.bytes, 30);
+    pushWindow(state.decodeMs, result.decodeMs, 30);
+    if (result.header.kind === KIND_PREVIEW) {
+      stats.previewsReceived += 1;
+      if (!state.firstPreviewSeen) {
+        state.firstPreviewSeen = true;
+        const latency = result.receivedAt - state.startSentAt;
+        $("preview-latency").textContent = `${Math.round(latency)} ms`;
+      }
+      if (state.preview) state.preview.bitmap.close();
+      state.preview = { bitmap: result.bitmap, drawn: false };
+    } else if (result.header.kind === KIND_FINAL) {
+      stats.finalsReceived += 1;
+      state.finals.push(result);
+    } else {
+      result.bitmap.close();
+    }
+  }
+
+  // ---- drawing ----
+  function frameIntervalMs() {
+    return state.settings ? 1000 / state.settings.fps : 0;
+  }
+
+  function draw(now) {
+    const interval = frameIntervalMs();
+    // Final frames arrive paced at fps; drawing at most one per interval (minus slack for the
+    // display's own refresh) absorbs network jitter without dropping or bunching frames.
+    const playing = state.finals.length > 0 || now - state.lastFinalDrawnAt < 2 * interval;
+    if (state.finals.length && now - state.lastFinalDrawnAt >= interval - 8) {
+      const frame = state.finals.shift();
+      ctx.drawImage(frame.bitmap, 0, 0, canvas.width, canvas.height);
+      frame.bitmap.close();
+      state.lastFinalDrawnAt = now;
+      stats.finalsDrawn += 1;
+      stats.finalDrawTimes.push(now);
+      state.drawTimes.push(now);
+      $("frames-shown").textContent = `${stats.finalsDrawn}`;
+    } else if (state.preview && !state.preview.drawn && !playing) {
+      // Previews are smaller than the output (a latent projection): scale them up.
+      ctx.drawImage(state.preview.bitmap, 0, 0, canvas.width, canvas.height);
+      state.preview.drawn = true;
+      stats.previewsDrawn += 1;
+      state.drawTimes.push(now);
+    }
+    while (state.drawTimes.length && now - state.drawTimes[0] > 1000) state.drawTimes.shift();
+    requestAnimationFrame(draw);
+  }
+
+  function updateReadouts() {
+    $("render-fps").textContent = `${state.drawTimes.length}`;
+    if (state.frameBytes.length) {
+      const avg = mean(state.frameBytes);
+      $("frame-bytes").textContent = avg >= 1024 ? `${(avg / 1024).toFixed(1)} KB` : `${avg} B`;
+    }
+    if (state.decodeMs.length) $("decode-time").textContent = `${mean(state.decodeMs).toFixed(1)} ms`;
+  }
+
+  // ---- small helpers ----
+  function pushWindow(list, value, size) {
+    list.push(value);
+    if (list.length > size) list.shift();
+  }
+
+  function mean(list) {
+    return Math.round(list.reduce((a, b) => a + b, 0) / list.length * 10) / 10;
+  }
+
+  function setStage(text, fraction) {
+    $("stage").textContent = text;
+    if (fraction !== undefined) $("progress").value = fraction;
+  }
+
+  function showError(text) {
+    const box = $("error");
+    box.textContent = text;
+    box.hidden = false;
+  }
+
+  function clearError() {
+    $("error").hidden = true;
+    $("error").textContent = "";
+  }
+
+  function updateButtons() {
+    const open = Boolean(state.ws && state.ws.readyState === WebSocket.OPEN);
+    const busy = state.running || state.awaitingStart;
+    $("start").disabled = !open || busy;
+    $("stop").disabled = !open || !busy;
+    $("send-prompt").disabled = !open || !state.running || !$("continuous").checked;
+  }
+
+  // ---- wiring ----
+  $("controls").addEventListener("submit", (event) => {
+    event.preventDefault();
+    start();
+  });
+  $("stop").addEventListener("click", stop);
+  $("send-prompt").addEventListener("click", sendPrompt);
+  $("model").addEventListener("change", applyModelDefaults);
+  $("continuous").addEventListener("change", updateButtons);
+  $("quality").addEventListener("input", () => {
+    $("quality-value").textContent = $("quality").value;
+  });
+  $("prompt").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) {
+      event.preventDefault();
+      if (state.running && $("continuous").checked) sendPrompt();
+      else if (!state.running) start();
+    }
+  });
+  ctx.fillStyle = "#000";
+  ctx.fillRect(0, 0, canvas.width, canvas.height);
+  setInterval(updateReadouts, 250);
+  requestAnimationFrame(draw);
+  connect();
+})();
