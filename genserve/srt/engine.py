@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from genserve.srt.engine_core import build_runtime
 from genserve.srt.messages import GenerateOutput, TokenizedGenerateReq
 from genserve.srt.sampling.sampling_params import SamplingParams
 from genserve.srt.server_args import EngineArgs
@@ -16,6 +15,15 @@ from genserve.srt.tokenizer_manager import (
 )
 
 
+def __getattr__(name: str) -> Any:
+    # `from genserve.srt.engine import AsyncEngine` works without importing torch.
+    if name == "AsyncEngine":
+        from genserve.srt.async_engine import AsyncEngine
+
+        return AsyncEngine
+    raise AttributeError(name)
+
+
 class Engine:
     """In-process LLM engine with continuous batching and the radix prefix cache.
 
@@ -24,6 +32,8 @@ class Engine:
     """
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        from genserve.srt.engine_core import build_runtime  # torch: only when an Engine is made
+
         self.args = EngineArgs(model_path=model_path, **kwargs)
         self.runtime = build_runtime(self.args)
         self.scheduler = self.runtime.scheduler

@@ -1,0 +1,250 @@
+"""`AsyncEngine`: the LLM runtime as the gateway sees it. Tokenizes in a thread pool, runs the
+scheduler + model in a child process, and streams cumulative outputs back per request."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from genserve.srt.client import LLMEngineClient
+from genserve.srt.messages import (
+    AbortReq,
+    BatchReqOutput,
+    ControlReq,
+    ControlResp,
+    GenerateOutput,
+    GenerateRequest,
+    ReqOutput,
+)
+from genserve.srt.sampling.sampling_params import SamplingParams
+from genserve.srt.server_args import EngineArgs
+from genserve.srt.tokenizer_manager import RequestState, make_tokenized_req
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine(LLMEngineClient):
+    def __init__(self, args: EngineArgs | None = None, log_level: str = "info") -> None:
+        from dataclasses import replace
+
+        from genserve.srt.model_loader import resolve_model_folder
+        from genserve.srt.tokenizer_manager import load_tokenizer
+
+        args = args or EngineArgs()
+        # Convert a GGUF (with a progress bar) here, once; the child loads the cached folder.
+        folder, name = resolve_model_folder(args.model_path)
+        self.args = replace(args, model_path=str(folder))
+        self.model_name = name
+        self.tokenizer = load_tokenizer(folder)
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        from genserve.srt.scheduler.process import run_scheduler_process
+
+        self._proc = ctx.Process(
+            target=run_scheduler_process,
+            args=(self.args, child_conn, log_level),
+            name="genserve-scheduler",
+            daemon=True,
+        )
+        self._proc.start()
+        child_conn.close()
+        ready = self._wait_ready()
+        self._info: dict[str, Any] = ready.payload
+        self._info["model_path"] = args.model_path or name
+        self._info["model_name"] = name
+        self.context_length = int(ready.payload["context_length"])
+        self._dead: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._states: dict[str, tuple[RequestState, asyncio.Queue]] = {}
+        self._control: dict[int, asyncio.Future] = {}
+        self._tokens = itertools.count(1)
+        self._outbox: queue.Queue = queue.Queue()
+        threading.Thread(target=self._send_loop, name="genserve-send", daemon=True).start()
+        threading.Thread(target=self._recv_loop, name="genserve-recv", daemon=True).start()
+
+    def _wait_ready(self) -> ControlResp:
+        while True:
+            if self._conn.poll(1.0):
+                msg = self._conn.recv()
+                if not msg.ok:
+                    self._proc.join(5)
+                    raise RuntimeError(f"LLM runtime failed to start: {msg.payload.get('error')}")
+                return msg
+            if not self._proc.is_alive():
+                raise RuntimeError(
+                    f"LLM scheduler process exited during startup (code {self._proc.exitcode})"
+                )
+
+    # ---- pipe I/O (threads) -----------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        while True:
+            msg = self._outbox.get()
+            if msg is None:
+                return
+            try:
+                self._conn.send(msg)
+            except (OSError, BrokenPipeError):
+                return
+
+    def _recv_loop(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                code = self._proc.exitcode if not self._proc.is_alive() else None
+                self._dead = f"the LLM scheduler process died (exit code {code})"
+                if self._loop is not None:
+                    self._loop.call_soon_threadsafe(self._fail_all)
+                return
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._dispatch, msg)
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, BatchReqOutput):
+            for out in msg.outputs:
+                entry = self._states.get(out.rid)
+                if entry is not None:
+                    entry[1].put_nowait(out)
+        elif isinstance(msg, ControlResp):
+            fut = self._control.pop(msg.token, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    def _fail_all(self) -> None:
+        for _state, q in self._states.values():
+            q.put_nowait(EngineDeadError(self._dead or "the LLM runtime stopped"))
+        for fut in self._control.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(self._dead or "the LLM runtime stopped"))
+        self._control.clear()
+
+    def _bind_loop(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+
+    # ---- LLMEngineClient --------------------------------------------------------------------
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:  # type: ignore[override]
+        self._bind_loop()
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        params = SamplingParams.from_dict(req.sampling_params)
+        if params.n != 1:
+            raise ValueError("this client serves n == 1; submit one request per choice")
+        if req.input_ids is not None:
+            ids = list(req.input_ids)
+        elif req.text is not None:
+            ids = await asyncio.get_running_loop().run_in_executor(None, self.tokenize, req.text)
+        else:
+            raise ValueError("a request needs text or input_ids")
+        total = len(ids) + params.max_new_tokens
+        if total > self.context_length:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
+                f"exceeds the context length ({self.context_length})"
+            )
+        tok_req = make_tokenized_req(
+            ids,
+            params,
+            req.rid,
+            req.stream,
+            req.return_logprob,
+            req.top_logprobs_num,
+            req.cache_salt,
+        )
+        if tok_req.rid in self._states:
+            raise ValueError(f"request id {tok_req.rid!r} is already running")
+        state, q = RequestState(tok_req), asyncio.Queue()
+        self._states[tok_req.rid] = (state, q)
+        self._outbox.put(tok_req)
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                out: ReqOutput = item
+                gen = state.update(out)
+                finished = out.finished
+                if finished or req.stream:
+                    yield gen
+                if finished:
+                    return
+        finally:
+            self._states.pop(tok_req.rid, None)
+            if not finished and not self._dead:
+                self._outbox.put(AbortReq(tok_req.rid))
+
+    async def abort(self, rid: str) -> bool:
+        if rid not in self._states:
+            return False
+        self._outbox.put(AbortReq(rid))
+        return True
+
+    async def _call(self, kind: str, timeout: float = 30.0) -> ControlResp:
+        self._bind_loop()
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        token = next(self._tokens)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._control[token] = fut
+        self._outbox.put(ControlReq(kind, token))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._control.pop(token, None)
+
+    async def flush_cache(self) -> bool:
+        return (await self._call("flush_cache")).ok
+
+    async def check_integrity(self) -> tuple[bool, str | None]:
+        resp = await self._call("check_integrity")
+        return resp.ok, resp.payload.get("error")
+
+    async def server_info(self) -> dict[str, Any]:
+        info = dict((await self._call("server_info")).payload)
+        info["num_inflight_reqs"] = len(self._states)
+        return info
+
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: send input_ids instead of text")
+        return list(self.tokenizer.encode(text))
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use /v1/completions")
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def model_info(self) -> dict[str, Any]:
+        return dict(self._info)
+
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._proc.is_alive()
+
+    async def shutdown(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            self._outbox.put(ControlReq("shutdown", 0))
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(5)
+        self._outbox.put(None)

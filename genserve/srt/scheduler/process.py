@@ -1,0 +1,89 @@
+"""Entry point of the scheduler process: owns the model, runs the scheduling loop and talks to
+the tokenizer manager (`genserve.srt.async_engine.AsyncEngine`) over a multiprocessing pipe."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from multiprocessing.connection import Connection
+
+from genserve.srt.mem_cache import IntegrityError
+from genserve.srt.messages import (
+    AbortReq,
+    BatchReqOutput,
+    ControlReq,
+    ControlResp,
+    TokenizedGenerateReq,
+)
+from genserve.srt.server_args import EngineArgs
+
+logger = logging.getLogger("genserve.scheduler")
+
+
+def run_scheduler_process(args: EngineArgs, conn: Connection, log_level: str = "info") -> None:
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s [scheduler] %(message)s"
+    )
+    try:
+        from genserve.srt.engine_core import build_runtime
+
+        runtime = build_runtime(args)
+    except Exception as exc:  # report load failures to the parent instead of dying silently
+        conn.send(ControlResp("ready", 0, False, {"error": f"{type(exc).__name__}: {exc}"}))
+        return
+    conn.send(ControlResp("ready", 0, True, runtime.model_info()))
+    sched = runtime.scheduler
+    integrity_error: str | None = None
+    checked_idle = False
+    while True:
+        if not sched.has_work():
+            if not checked_idle:
+                try:
+                    sched.check_integrity()
+                except IntegrityError as exc:
+                    integrity_error = str(exc)
+                    logger.error("integrity check failed: %s", exc)
+                checked_idle = True
+            conn.poll(None)  # sleep until the next message
+        try:
+            while conn.poll(0):
+                msg = conn.recv()
+                if isinstance(msg, TokenizedGenerateReq):
+                    early = sched.add_request(msg)
+                    if early is not None:
+                        conn.send(BatchReqOutput([early]))
+                elif isinstance(msg, AbortReq):
+                    sched.abort(msg.rid)
+                elif isinstance(msg, ControlReq):
+                    if msg.kind == "shutdown":
+                        conn.send(ControlResp("shutdown", msg.token, True))
+                        return
+                    conn.send(_control(sched, msg, integrity_error))
+            if sched.has_work():
+                checked_idle = False
+                outputs = sched.step()
+                if outputs:
+                    conn.send(BatchReqOutput(outputs))
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            return  # the parent is gone
+        except Exception:
+            logger.error("scheduler crashed:\n%s", traceback.format_exc())
+            raise
+
+
+def _control(sched, msg: ControlReq, integrity_error: str | None) -> ControlResp:
+    if msg.kind == "flush_cache":
+        return ControlResp(msg.kind, msg.token, sched.flush_cache())
+    if msg.kind == "server_info":
+        info = sched.info()
+        info["integrity_error"] = integrity_error
+        return ControlResp(msg.kind, msg.token, True, info)
+    if msg.kind == "check_integrity":
+        if sched.has_work():
+            return ControlResp(msg.kind, msg.token, False, {"error": "requests are running"})
+        try:
+            sched.check_integrity()
+        except IntegrityError as exc:
+            return ControlResp(msg.kind, msg.token, False, {"error": str(exc)})
+        return ControlResp(msg.kind, msg.token, True)
+    return ControlResp(msg.kind, msg.token, False, {"error": f"unknown control {msg.kind!r}"})
