@@ -41,6 +41,7 @@ def build(
     generators: list[torch.Generator | None] | None = None,
     prompt_ids: list[list[int]] | None = None,
     output_ids: list[list[int]] | None = None,
+    device: str = "cpu",
 ) -> SamplingBatchInfo:
     n = len(params)
     return SamplingBatchInfo.build(
@@ -50,12 +51,12 @@ def build(
         output_ids or [[] for _ in range(n)],
         {EOS},
         VOCAB,
-        "cpu",
+        device,
     )
 
 
-def seeded(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+def seeded(seed: int, device: str = "cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 # ----------------------------------------------------------------------------- SamplingParams
@@ -282,7 +283,7 @@ def test_greedy_is_argmax_and_logprobs():
     assert info.all_greedy
     out = Sampler().sample(logits, info, top_logprobs_num=5, return_logprob=True)
     assert torch.equal(out.next_token_ids, logits.float().argmax(-1))
-    ref = torch.log_softmax(logits.float(), dim=-1)
+    ref = torch.log_softmax(logits, dim=-1)
     torch.testing.assert_close(out.logprobs, ref.gather(1, out.next_token_ids[:, None])[:, 0])
     assert out.logprobs.dtype == torch.float32
     assert out.top_logprobs_values.shape == (5, 5)
@@ -397,3 +398,36 @@ def test_no_penalty_batch_builds_no_vocab_tensors():
     assert not info.has_penalties and not info.has_token_mask
     assert info.output_counts is None and info.seen_tokens is None
     assert not math.isnan(info.temperatures.sum().item())
+
+
+@pytest.mark.gpu
+def test_cuda_sampling():
+    """The same semantics on a GPU: seeded rows alone == batched, filters, penalties, masks."""
+    dev = "cuda"
+    sampler = Sampler()
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.8, min_p=0.02, seed=5)
+    plain = SamplingParams(temperature=1.1, repetition_penalty=1.2, frequency_penalty=0.5)
+    greedy = SamplingParams(temperature=0, presence_penalty=1.0, min_new_tokens=4)
+    g_alone, g_batch = seeded(5, dev), seeded(5, dev)
+    alone, batched = [], []
+    for step in range(16):
+        row = make_logits(batch=1, seed=200 + step).to(dev)
+        info = build([params], [g_alone], device=dev)
+        alone.append(int(sampler.sample(row, info).next_token_ids[0]))
+        logits = torch.cat([make_logits(1, seed=step).to(dev), row, row])
+        logits[2, EOS] = 50.0
+        info = build(
+            [plain, params, greedy],
+            [None, g_batch, None],
+            prompt_ids=[[1, 2, 3], [4], [5, 6]],
+            output_ids=[[7] * step, [], [8]],
+            device=dev,
+        )
+        out = sampler.sample(logits, info, top_logprobs_num=3, return_logprob=True)
+        ids = out.next_token_ids.tolist()
+        batched.append(ids[1])
+        assert ids[2] != EOS  # min_new_tokens=4 masks EOS even at logit 50
+        ref = torch.log_softmax(logits, dim=-1).gather(1, out.next_token_ids[:, None])
+        torch.testing.assert_close(out.logprobs, ref[:, 0])
+    assert alone == batched
+    assert len(set(alone)) > 1
