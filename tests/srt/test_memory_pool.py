@@ -155,3 +155,23 @@ def test_fp8_kv_pool_round_trips():
     k = pool.get_key_buffer(0)
     assert k.dtype == torch.float8_e4m3fn
     assert k[loc].float().tolist() == cache.tolist()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_pools_on_device(device):
+    alloc = TokenToKVPoolAllocator(8, device=device)
+    pool = MHATokenToKVPool(
+        8, torch.float16, num_layers=1, num_kv_heads=1, head_dim=2, device=device
+    )
+    rows = ReqToTokenPool(2, 4, device=device)
+    slots = alloc.alloc(3)
+    assert slots.device == alloc.device == pool.device == rows.device
+    rows.write(0, 0, slots)
+    pool.set_kv_buffer(
+        0, slots, torch.ones(3, 1, 2, device=device), torch.ones(3, 1, 2, device=device)
+    )
+    assert pool.get_value_buffer(0)[slots].sum().item() == 6
+    alloc.free(slots.cpu())  # frees from another device land on the pool's device
+    assert alloc.available_size() == 8
+    alloc.check_integrity()
+    rows.check_integrity()

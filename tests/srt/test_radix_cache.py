@@ -334,3 +334,25 @@ def test_random_request_traffic_keeps_every_slot_accounted_for(data, page_size):
     cache.reset()
     assert alloc.available_size() == alloc.size
     check(alloc, cache)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_cache_on_the_pool_device_with_tensor_token_ids(device):
+    alloc = TokenToKVPoolAllocator(16, device=device)
+    cache = RadixCache(alloc, page_size=2)
+    tokens = torch.tensor([4, 5, 6, 7, 8])
+    m = cache.match_prefix(tokens)
+    assert m.indices.device == alloc.device and m.indices.numel() == 0
+    kv = alloc.alloc(5)
+    assert kv.device == alloc.device
+    kv, prefix_len, node = cache.cache_unfinished_req(tokens, kv, 0, m.last_node)
+    assert prefix_len == 4 and kv.device == alloc.device
+    alloc.check_integrity()
+    cache.check_integrity()
+    assert alloc.available_size() + cache.total_size() + 1 == 16  # the request keeps its tail
+    assert cache.match_prefix([4, 5, 6, 7]).indices.tolist() == kv[:4].tolist()
+    cache.cache_finished_req(tokens, kv, prefix_len, node)
+    assert (cache.total_size(), alloc.available_size()) == (4, 12)
+    check(alloc, cache)
+    assert cache.evict(1) == 4
+    check(alloc, cache)
