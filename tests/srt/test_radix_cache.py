@@ -226,6 +226,12 @@ def test_wrong_inputs_are_rejected():
         cache.cache_finished_req(r2.tokens, r2.kv, r2.prefix_len, r2.last_node, "other")
     with pytest.raises(ValueError, match="page_size"):
         RadixCache(alloc, page_size=0)
+    r2.finish()
+    stale = cache.match_prefix([1, 2, 3]).last_node  # matched but not locked ...
+    assert cache.evict(100) == 3  # ... so eviction may take it
+    with pytest.raises(IntegrityError, match="evicted"):
+        cache.inc_lock_ref(stale)
+    check(alloc, cache)
 
 
 def test_reset_refuses_locked_and_frees_everything():
