@@ -73,13 +73,14 @@ class ReqToTokenPool:
 
     def free(self, rows: int | list[int]) -> None:
         rows = [rows] if isinstance(rows, int) else list(rows)
-        for row in rows:
-            # Rows are few (one per running request), so catching a double free here is cheap.
-            if not 0 <= row < self.size:
-                raise IntegrityError(f"ReqToTokenPool: row {row} outside [0, {self.size})")
-            if row in self._free_set:
-                raise IntegrityError(f"ReqToTokenPool: row {row} freed twice")
-            self._free_set.add(row)
+        # Rows are few (one per running request), so catching a double free here is cheap.
+        # Validate everything before changing anything.
+        bad = [r for r in rows if not 0 <= r < self.size]
+        if bad:
+            raise IntegrityError(f"ReqToTokenPool: rows {bad} outside [0, {self.size})")
+        if len(set(rows)) != len(rows) or not self._free_set.isdisjoint(rows):
+            raise IntegrityError(f"ReqToTokenPool: a row in {rows} freed twice")
+        self._free_set.update(rows)
         self._free_rows.extend(rows)
 
     def available_size(self) -> int:
