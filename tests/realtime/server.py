@@ -18,9 +18,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(app, timeout_s: float = 20.0) -> Iterator[str]:
+def serve(app, port: int | None = None, timeout_s: float = 20.0) -> Iterator[str]:
     """Yields the base URL (`http://127.0.0.1:PORT`) while the server runs."""
-    port = free_port()
+    port = port or free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)

@@ -1,0 +1,54 @@
+"""The web UI in headless Chromium against a fake engine: error display, and reconnecting
+after the server restarts (same port, new process state)."""
+
+from __future__ import annotations
+
+import shutil
+from urllib.parse import urlparse
+
+import pytest
+
+from genserve.entrypoints.app import create_app
+from genserve.entrypoints.config import GatewayConfig
+from tests.realtime.fake_diffusion import FakeDiffusionClient
+from tests.realtime.server import serve
+from tests.realtime.test_real_model import CHROMIUM_ARGS
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_web_ui_shows_errors_and_reconnects_after_a_server_restart():
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            app = create_app(GatewayConfig(), [], FakeDiffusionClient())
+            with serve(app) as base:
+                port = urlparse(base).port
+                page.goto(base + "/")
+                page.wait_for_selector("#connection[data-status=open]", timeout=20_000)
+                page.wait_for_function("document.getElementById('model').value === 'fake-video'")
+                # A size the model cannot take: the server's message is shown, and the page
+                # is ready for the next try.
+                page.fill("#width", "70")
+                page.click("#start")
+                page.wait_for_selector("#error:not([hidden])", timeout=10_000)
+                assert "multiple of 16" in page.text_content("#error")
+                page.wait_for_function("!document.getElementById('start').disabled")
+            # Server gone: the page says so and keeps retrying.
+            page.wait_for_selector("#connection[data-status=closed]", timeout=10_000)
+            app = create_app(GatewayConfig(), [], FakeDiffusionClient())
+            with serve(app, port=port):
+                page.wait_for_selector("#connection[data-status=open]", timeout=20_000)
+                page.fill("#width", "64")
+                page.click("#start")
+                page.wait_for_function(
+                    "document.body.dataset.state === 'done' && "
+                    "window.genserveRealtime.stats.finalsDrawn === 5", timeout=30_000)
+                assert page.is_hidden("#error")  # a new start clears the old error
+        finally:
+            browser.close()
