@@ -283,7 +283,7 @@ def test_greedy_is_argmax_and_logprobs():
     assert info.all_greedy
     out = Sampler().sample(logits, info, top_logprobs_num=5, return_logprob=True)
     assert torch.equal(out.next_token_ids, logits.float().argmax(-1))
-    ref = torch.log_softmax(logits, dim=-1)
+    ref = torch.log_softmax(logits.float(), dim=-1)
     torch.testing.assert_close(out.logprobs, ref.gather(1, out.next_token_ids[:, None])[:, 0])
     assert out.logprobs.dtype == torch.float32
     assert out.top_logprobs_values.shape == (5, 5)

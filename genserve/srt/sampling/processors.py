@@ -1,7 +1,8 @@
 """Pure logits processors on [B, V] float32 tensors, one value per row.
 
-Each returns a new tensor and leaves its input untouched, so tests can compare them one by one
-with transformers' logits processors. Removed tokens get -inf, as in transformers.
+None modifies its input (each returns a new tensor, or the input itself when it has nothing to
+do), so tests can compare them one by one with transformers' logits processors. Removed tokens
+get -inf, as in transformers.
 """
 
 from __future__ import annotations
