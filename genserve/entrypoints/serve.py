@@ -72,9 +72,17 @@ def _wanted(args: argparse.Namespace) -> tuple[bool, bool]:
     return llm, diffusion
 
 
-async def _start_llms(args: argparse.Namespace) -> list[LLMEngineClient]:
-    from genserve.srt.engine import AsyncEngine
+def import_async_engine() -> Any:
+    """The runtime's `AsyncEngine` class (re-exported by `genserve.srt.engine`)."""
+    try:
+        from genserve.srt.engine import AsyncEngine
+    except ImportError:
+        from genserve.srt.async_engine import AsyncEngine
+    return AsyncEngine
 
+
+async def _start_llms(args: argparse.Namespace) -> list[LLMEngineClient]:
+    AsyncEngine = import_async_engine()  # noqa: N806 (a class)
     clients: list[LLMEngineClient] = []
     for path in args.model_path or [None]:
         engine_args = engine_args_from(args, path)
