@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 from fastapi import Request
 
-from genserve.entrypoints.errors import APIError, bad_request
+from genserve.entrypoints.errors import APIError, bad_request, service_unavailable
 from genserve.entrypoints.metrics import RequestTimer
 from genserve.entrypoints.state import GatewayState
 from genserve.srt.client import LLMEngineClient
@@ -144,10 +144,23 @@ class GenerationGroup:
     def _start(self, index: int) -> AsyncIterator[GenerateOutput]:
         try:
             it = self.client.generate(self.reqs[index])
-        except ValueError as exc:
-            raise bad_request(str(exc)) from exc
+        except Exception as exc:
+            raise self._engine_error(exc) from exc
         self._iters.append(it)
         return it
+
+    def _engine_error(self, exc: Exception) -> APIError:
+        """ValueError = bad input (400); a dead engine = 503; anything else is a bug (500)."""
+        if isinstance(exc, APIError):
+            return exc
+        if isinstance(exc, ValueError):
+            return bad_request(str(exc))
+        name = self.client.model_name
+        if not self.client.is_healthy():
+            return service_unavailable(f"The engine serving {name!r} stopped: {exc}",
+                                       "engine_dead")
+        logger.error("engine error for %s: %r", name, exc, exc_info=exc)
+        return APIError(500, f"The engine serving {name!r} failed: {exc}")
 
     async def stream(self, index: int) -> AsyncIterator[GenerateOutput]:
         """Outputs of request `index`; raises APIError for engine-reported errors."""
@@ -158,8 +171,8 @@ class GenerationGroup:
                 out = await it.__anext__()
             except StopAsyncIteration:
                 return
-            except ValueError as exc:  # invalid input found by the engine
-                raise bad_request(str(exc)) from exc
+            except Exception as exc:  # invalid input found by the engine, or a dead engine
+                raise self._engine_error(exc) from exc
             error = output_error(out)
             if error is not None:
                 self.finished.add(req.rid)

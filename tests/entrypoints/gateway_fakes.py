@@ -40,6 +40,7 @@ class FakeEngine(LLMEngineClient):
         self.requests: list[GenerateRequest] = []
         self._seen_prompts: list[list[int]] = []
         self.flushes = 0
+        self.die_after_tokens: int | None = None  # simulate the scheduler process crashing
 
     # --- LLMEngineClient -------------------------------------------------------------------
     def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
@@ -69,6 +70,9 @@ class FakeEngine(LLMEngineClient):
                     await asyncio.sleep(self.token_delay)
                 else:
                     await asyncio.sleep(0)
+                if self.die_after_tokens is not None and k >= self.die_after_tokens:
+                    self.healthy = False
+                    raise RuntimeError("the LLM scheduler process died (exit code -9)")
                 if req.rid in self.aborted:
                     reason = {"type": "abort", "matched": None, "message": "aborted"}
                     break

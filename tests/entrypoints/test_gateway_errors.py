@@ -147,3 +147,22 @@ def test_dead_engine_health_503(server):
     r = httpx.get(server.url + "/health")
     assert r.status_code == 503 and r.json()["components"]["fake-llm"] is False
     _assert_envelope(httpx.post(server.url + "/generate", json={"text": "x"}), 503)
+
+
+def test_engine_crash_mid_request_is_503_not_a_hang(server):
+    server.engine.die_after_tokens = 2
+    r = httpx.post(server.url + "/generate", timeout=10,
+                   json={"text": "x", "sampling_params": {"max_new_tokens": 8}})
+    err = _assert_envelope(r, 503, "stopped", "exit code")
+    assert err["code"] == "engine_dead"
+    assert httpx.get(server.url + "/health").status_code == 503
+
+
+def test_engine_crash_mid_stream_ends_the_stream_with_an_error(server):
+    server.engine.die_after_tokens = 3
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=10, json={
+            "model": "fake-llm", "prompt": "x", "max_tokens": 8, "stream": True}) as r:
+        assert r.status_code == 200  # headers went out with the first token
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert '"error"' in lines[-2] and "stopped" in lines[-2]
