@@ -54,7 +54,7 @@ def _decode_partial_kernel(
     kv_head = head0 // GROUP
 
     kv_start = tl.load(kv_indptr + b)
-    seq_len = tl.load(kv_indptr + b + 1) - kv_start
+    seq_len = (tl.load(kv_indptr + b + 1) - kv_start).to(tl.int32)
     # Short requests use fewer splits; splits past n_splits get an empty range and write
     # lse = -inf, which stage 2 weighs as zero.
     n_splits = tl.maximum(tl.minimum(num_splits, tl.cdiv(seq_len, min_split_len)), 1)
@@ -150,14 +150,15 @@ def _decode_merge_kernel(
 def choose_num_kv_splits(
     max_seq_len: int, batch_size: int, num_kv_heads: int, device: torch.device
 ) -> int:
-    """Splits per request: enough programs to fill the GPU twice over, each split covering at
-    least MIN_SPLIT_LEN tokens, rounded down to a power of two (bounds recompilation)."""
+    """Splits per request: about four programs per SM (several in flight hide the latency of
+    the gathered KV loads), each split covering at least MIN_SPLIT_LEN tokens, rounded down to
+    a power of two (bounds the merge kernel's recompilations)."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         sms = 1  # interpreter: one program at a time, splitting only adds work
     programs = max(batch_size * num_kv_heads, 1)
-    want = min(math.ceil(2 * sms / programs), math.ceil(max(max_seq_len, 1) / MIN_SPLIT_LEN))
+    want = min(math.ceil(4 * sms / programs), math.ceil(max(max_seq_len, 1) / MIN_SPLIT_LEN))
     want = max(1, min(want, MAX_KV_SPLITS))
     return 1 << (want.bit_length() - 1)
 
@@ -234,7 +235,9 @@ def decode_attention_fwd(
         GROUP=group, HEADS_PER_PROG=heads_per_prog, BLOCK_H=max(16, next_pow2(heads_per_prog)),
         HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
         HEAD_DIM_V=head_dim_v, BLOCK_DV=next_pow2(head_dim_v),
-        BLOCK_N=64 if on_gpu else 32, FP32_DOT=use_fp32_dot(q.dtype),
+        # fp32 tiles are twice the bytes: halve them to stay within shared memory.
+        BLOCK_N=(32 if q.dtype == torch.float32 else 64) if on_gpu else 32,
+        FP32_DOT=use_fp32_dot(q.dtype),
         **({"num_warps": 4, "num_stages": 2} if on_gpu else {}),
     )
     _decode_merge_kernel[(batch, num_heads)](

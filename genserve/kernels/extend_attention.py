@@ -66,11 +66,11 @@ def _extend_kernel(
     m_block = tl.program_id(2)
     kv_head = h // GROUP
     q_start = tl.load(qo_indptr + b)
-    ext_len = tl.load(qo_indptr + b + 1) - q_start
+    ext_len = (tl.load(qo_indptr + b + 1) - q_start).to(tl.int32)
     if m_block * BLOCK_M >= ext_len:
         return
     prefix_start = tl.load(kv_indptr + b)
-    prefix_len = tl.load(kv_indptr + b + 1) - prefix_start
+    prefix_len = (tl.load(kv_indptr + b + 1) - prefix_start).to(tl.int32)
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # positions within the extend part
     mask_m = offs_m < ext_len
@@ -115,10 +115,11 @@ def _extend_kernel(
              out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
 
 
-def _block_sizes(device: torch.device, head_dim: int) -> tuple[int, int, dict]:
+def _block_sizes(device: torch.device, head_dim: int, dtype: torch.dtype):
+    """(BLOCK_M, BLOCK_N, launch options)."""
     if device.type != "cuda":
         return 64, 64, {}  # interpreter: few, large blocks (its cost is per operation)
-    if head_dim <= 128:
+    if head_dim <= 128 and dtype != torch.float32:
         return 128, 64, {"num_warps": 8, "num_stages": 2}
     return 64, 32, {"num_warps": 4, "num_stages": 2}
 
@@ -172,7 +173,7 @@ def extend_attention_fwd(
     if max_extend_len <= 0:
         raise ValueError(f"max_extend_len must be positive, got {max_extend_len}")
 
-    block_m, block_n, launch = _block_sizes(device, head_dim)
+    block_m, block_n, launch = _block_sizes(device, head_dim, q_extend.dtype)
     grid = (batch, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
