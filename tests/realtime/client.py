@@ -31,11 +31,13 @@ def ws_url(base: str) -> str:
 
 
 async def receive_until(
-    ws, out: Received, until: set[str], timeout_s: float = 30.0, stop_after_previews: int = 0
+    ws, out: Received, until: set[str], timeout_s: float = 30.0, stop_after_previews: int = 0,
+    stop_after_finals: int = 0,
 ) -> dict[str, Any]:
     """Read messages into `out` until a JSON message whose type is in `until`; returns it.
 
-    With `stop_after_previews`, sends {"type": "stop"} once that many previews have arrived."""
+    With `stop_after_previews` / `stop_after_finals`, sends {"type": "stop"} once that many
+    previews / final frames have arrived."""
     deadline = time.monotonic() + timeout_s
     stop_sent = False
     while True:
@@ -52,7 +54,10 @@ async def receive_until(
                 out.finals.append((header, rgb))
                 out.final_times.append(time.monotonic())
                 out.order.append("final")
-            if stop_after_previews and not stop_sent and len(out.previews) >= stop_after_previews:
+            if not stop_sent and (
+                (stop_after_previews and len(out.previews) >= stop_after_previews)
+                or (stop_after_finals and len(out.finals) >= stop_after_finals)
+            ):
                 await ws.send(json.dumps({"type": "stop"}))
                 stop_sent = True
             continue

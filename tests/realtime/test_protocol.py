@@ -146,6 +146,24 @@ def test_stop_cancels_the_generation_and_frees_the_worker():
     assert again.of_type("done")[0]["stopped"] is False and len(again.finals) == 5
 
 
+async def _stop_during_playback(base: str) -> Received:
+    out = Received()
+    async with websockets.connect(ws_url(base)) as ws:
+        await ws.send(json.dumps({"type": "start", **_start(num_inference_steps=1, fps=2)}))
+        await receive_until(ws, out, {"done", "error"}, 30, stop_after_finals=1)
+    return out
+
+
+def test_stop_during_playback_drops_the_remaining_frames():
+    with realtime_server(FakeDiffusionClient()) as (base, serving):
+        out = asyncio.run(_stop_during_playback(base))
+        serving.check_integrity()
+    # 5 frames at 2 fps take 2.5 s to play; stop after the first ends it at once.
+    assert len(out.finals) <= 2
+    assert out.messages[-1] == {"type": "done", "chunks": 1, "stopped": True}
+    assert not out.of_type("chunk_done")
+
+
 async def _disconnect_midway(base: str) -> None:
     async with websockets.connect(ws_url(base)) as ws:
         await ws.send(json.dumps({"type": "start", **_start(num_inference_steps=60)}))

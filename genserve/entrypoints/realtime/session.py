@@ -65,19 +65,24 @@ class RealtimeSession:
         return self._generation is not None and not self._generation.done()
 
     async def run(self) -> None:
-        """Serve the connection until the client goes away."""
+        """Serve the connection until the client goes away (or a send to it fails)."""
         writer = asyncio.create_task(self.sender.run())
+        reader = asyncio.create_task(self._read_loop())
         try:
-            while True:
-                message = await self._ws.receive()
-                if message["type"] == "websocket.disconnect":
-                    return
-                await self._on_text(message.get("text"))
+            await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             await self._cancel_generation()
-            writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await writer
+            for task in (reader, writer):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    async def _read_loop(self) -> None:
+        while True:
+            message = await self._ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            await self._on_text(message.get("text"))
 
     async def _on_text(self, text: str | None) -> None:
         if text is None:
@@ -95,11 +100,11 @@ class RealtimeSession:
                 self._error("not_running", "No generation is running; send a start message.")
                 return
             self._prompt = msg.prompt
-        else:  # stop
-            if self.generating:
-                await self._cancel_generation()
-                self.sender.clear()
-                self.sender.send_json(done_message(self._chunks_done, stopped=True))
+        elif self.generating or self.sender.paced_pending:  # stop (ignored when idle)
+            # Also stops the playback of frames already made (and their queued `done`).
+            await self._cancel_generation()
+            self.sender.clear()
+            self.sender.send_json(done_message(self._chunks_done, stopped=True))
 
     def _error(self, code: str, message: str) -> None:
         self.sender.send_json(error_message(code, message))
