@@ -222,6 +222,7 @@ def test_disconnect_half_of_16_keeps_pool_intact(real_server):
     # Idle: every used KV slot belongs to the prefix cache and none is locked by a request.
     assert info["kv_used_tokens"] == info["cache"]["total_tokens"]
     assert info["cache"]["protected_tokens"] == 0
+    assert info.get("integrity_error") is None  # the scheduler's own idle check
     # Still serving, then a flush leaves the pool completely free.
     r = httpx.post(url + "/generate", timeout=60, json={
         "text": "Hello", "sampling_params": {"max_new_tokens": 2}})
