@@ -18,8 +18,6 @@ class GatewayConfig:
     max_queued_requests: int | None = None
     # Extra names under which the first LLM is also served (`--served-model-name`).
     served_model_names: tuple[str, ...] = ()
-    # Seconds between SSE keep-alive comments while a stream has nothing to send (0 = off).
-    sse_keepalive_s: float = 15.0
     host: str = "127.0.0.1"
     port: int = 30000
 
@@ -37,7 +35,5 @@ class GatewayConfig:
             raise ValueError("cors_origins must be a tuple of origins")
         if not isinstance(self.served_model_names, tuple):
             raise ValueError("served_model_names must be a tuple of names")
-        if self.sse_keepalive_s < 0:
-            raise ValueError(f"sse_keepalive_s must be >= 0, got {self.sse_keepalive_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")

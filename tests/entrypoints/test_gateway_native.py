@@ -41,7 +41,8 @@ def test_generate_stream_is_what_sglang_bench_reads(server):
     with httpx.stream("POST", server.url + "/generate", json={
             "text": "hi", "sampling_params": {"max_new_tokens": 5, "temperature": 0.0,
                                               "ignore_eos": True},
-            "stream": True, "return_logprob": False, "logprob_start_len": -1}) as r:
+            "stream": True, "stream_options": {"include_usage": True}, "image_data": None,
+            "lora_path": None, "return_logprob": False, "logprob_start_len": -1}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = _sse_events(r)
     assert events[-1] == "[DONE]"

@@ -57,6 +57,10 @@ class GenerateReqInput(_Strict):
     cache_salt: str | list[str] | None = None
     image_data: Any = None
     lora_path: Any = None
+    # SGLang's bench clients send this; every native chunk carries meta_info token counts, so
+    # usage is always included.
+    stream_options: dict[str, Any] | None = None
+    log_metrics: bool = True
     # Extension: which LLM serves the request when several are served (default: the first).
     model: str | None = None
 
