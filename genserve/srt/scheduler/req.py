@@ -103,9 +103,11 @@ class Req:
         elif len(self.output_ids) >= p.max_new_tokens or self.seq_len >= context_length:
             self.finish_reason = {"type": "length", "length": len(self.output_ids)}
         if self._detok is not None:
+            prev_len = len(self._text)
             self._text = self._detok.add([token])
             if self._stops is not None:
-                hit = self._stops.find(self._text)
+                # Only text a new token can complete needs searching.
+                hit = self._stops.find(self._text, max(0, prev_len - self._stops.max_len + 1))
                 if hit is not None:
                     self._text = self._text[: hit[0]]
                     self._stop_string_hit = True
