@@ -204,6 +204,7 @@
         canvas.height = message.height;
         document.body.dataset.state = "running";
         setStage(`step 0/${message.num_inference_steps}`, 0);
+        updateButtons();
         break;
       case "progress":
         setStage(`chunk ${message.chunk + 1} · step ${message.step}/${message.total_steps}`,

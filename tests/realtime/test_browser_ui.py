@@ -41,7 +41,8 @@ def test_web_ui_shows_errors_and_reconnects_after_a_server_restart():
                 page.wait_for_function("!document.getElementById('start').disabled")
             # Server gone: the page says so and keeps retrying.
             page.wait_for_selector("#connection[data-status=closed]", timeout=10_000)
-            app = create_app(GatewayConfig(), [], FakeDiffusionClient())
+            fake = FakeDiffusionClient()
+            app = create_app(GatewayConfig(), [], fake)
             with serve(app, port=port):
                 page.wait_for_selector("#connection[data-status=open]", timeout=20_000)
                 page.fill("#width", "64")
@@ -50,5 +51,24 @@ def test_web_ui_shows_errors_and_reconnects_after_a_server_restart():
                     "document.body.dataset.state === 'done' && "
                     "window.genserveRealtime.stats.finalsDrawn === 5", timeout=30_000)
                 assert page.is_hidden("#error")  # a new start clears the old error
+
+                # Continuous mode: chunks keep coming; a new prompt applies from the next
+                # chunk; stop ends it.
+                page.check("#continuous")
+                page.fill("#prompt", "a blue bird")
+                page.click("#start")
+                page.wait_for_function("window.genserveRealtime.stats.chunksDone >= 1",
+                                       timeout=30_000)
+                page.fill("#prompt", "a green tree")
+                page.click("#send-prompt")
+                page.wait_for_function("window.genserveRealtime.stats.chunksDone >= 3",
+                                       timeout=30_000)
+                page.click("#stop")
+                page.wait_for_function("document.body.dataset.state === 'stopped'",
+                                       timeout=10_000)
+                assert page.is_hidden("#error")
         finally:
             browser.close()
+    prompts = [r.prompt for r in fake.requests]
+    assert prompts[:2] == ["a red ball bouncing on a green field", "a blue bird"], prompts
+    assert "a green tree" in prompts[3:], prompts

@@ -21,7 +21,7 @@ from genserve.entrypoints.realtime.frames import FrameFormat
 from tests.realtime.client import Received, receive_until, run_session, ws_url
 from tests.realtime.server import serve
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 CHROMIUM_ARGS = [
