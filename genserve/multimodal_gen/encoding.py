@@ -67,7 +67,7 @@ def encode_mp4(frames: np.ndarray, fps: int, crf: int = 18) -> bytes:
 
 
 def probe_mp4(path: str | Path) -> dict:
-    """{faststart, codec, pix_fmt, fps, num_frames, width, height} of an MP4, read with the bundled ffmpeg."""
+    """{faststart, codec, pix_fmt, fps, num_frames, width, height} of an MP4 (bundled ffmpeg)."""
     import imageio_ffmpeg
 
     reader = imageio_ffmpeg.read_frames(str(path))

@@ -259,8 +259,12 @@ class ResolvedRequest:
 
     @property
     def batch_key(self) -> tuple:
-        # Requests agreeing on everything that shapes the pipeline call can share it. Image-to-image
-        # requests run alone (each has its own init image).
+        # Requests agreeing on everything that shapes the pipeline call can share it. Some run
+        # alone: image-to-image (each has its own init image), and step-cached ones, because
+        # DBCache decides to reuse a step from the residuals of the whole batch, so a
+        # neighbour could change which steps this request caches (and so its pixels).
+        caching = self.step_cache.enabled and self.step_cache.residual_diff_threshold > 0
+        alone = self.request_id if self.init_image is not None or caching else None
         return (
             self.model,
             self.width,
@@ -270,5 +274,5 @@ class ResolvedRequest:
             self.guidance_scale,
             self.negative_prompt is not None,
             self.step_cache,
-            self.init_image is not None and self.request_id,
+            alone,
         )

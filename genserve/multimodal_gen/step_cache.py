@@ -106,7 +106,13 @@ STEP_CACHES: dict[str, type[StepCache]] = {"none": NoStepCache, "dbcache": DBCac
 def make_step_cache(kind: str, module: torch.nn.Module) -> StepCache:
     if kind not in STEP_CACHES:
         raise ValueError(f"unknown step cache {kind!r}; choose one of {sorted(STEP_CACHES)}")
-    return STEP_CACHES[kind](module)
+    # One cache per module: two wrappers of the same (process-cached) pipeline share it.
+    existing = getattr(module, "_genserve_step_cache", None)
+    if type(existing) is STEP_CACHES[kind]:
+        return existing
+    cache = STEP_CACHES[kind](module)
+    module._genserve_step_cache = cache
+    return cache
 
 
 def _quiet_cache_dit() -> None:

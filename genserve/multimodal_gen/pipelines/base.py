@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from genserve.multimodal_gen.batch_invariance import make_batch_invariant
 from genserve.multimodal_gen.messages import ModelSpec, ResolvedRequest
 from genserve.multimodal_gen.step_cache import StepCache, make_step_cache
 
@@ -60,6 +61,8 @@ class DiffusionFamily(ABC):
             supports_image_to_image=self.img2img_class is not None,
             **{**self.spec_defaults, **(spec_overrides or {})},
         )
+        # Before the step cache: cache-dit wraps the denoiser's forward, we wrap its layers.
+        make_batch_invariant(self.denoiser)
         self.step_cache: StepCache = make_step_cache(self.step_cache_kind, self.denoiser)
         self._img2img: Any = None
         self._previewer: Any = None

@@ -1,0 +1,139 @@
+"""The worker-process client: batching keeps each request's pixels, cancellation, a crashed
+worker, and a gateway import that stays free of torch."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+
+from genserve.multimodal_gen.messages import (
+    DiffusionRequest,
+    ErrorEvent,
+    ResultEvent,
+    StepCacheConfig,
+    StepEvent,
+)
+
+
+async def collect(client, req):
+    return [event async for event in client.stream(req)]
+
+
+def image_req(rid, seed, prompt="a red cat", **kw):
+    kw = {"num_inference_steps": 2, "width": 32, "height": 32, **kw}
+    return DiffusionRequest(rid, "tiny-flux", prompt, seed=seed, **kw)
+
+
+def test_events_in_order_with_previews(diffusion_client):
+    events = asyncio.run(collect(diffusion_client, image_req("p1", 1, preview=True)))
+    assert [type(e) for e in events] == [StepEvent, StepEvent, ResultEvent]
+    assert [e.step for e in events[:2]] == [1, 2] and events[0].total_steps == 2
+    assert events[0].preview.shape == (1, 32, 32, 3) and events[0].preview.dtype == np.uint8
+    result = events[-1]
+    assert result.outputs[0].shape == (1, 32, 32, 3) and result.seeds == [1]
+    assert set(result.timings) >= {"queue", "denoise", "decode", "total"}
+
+
+def test_concurrent_requests_batch_and_match_alone(diffusion_client):
+    async def main():
+        alone = [await collect(diffusion_client, image_req(f"alone{i}", 10 + i, f"p{i} cat"))
+                 for i in range(3)]
+        together = await asyncio.gather(*[
+            collect(diffusion_client, image_req(f"tog{i}", 10 + i, f"p{i} cat"))
+            for i in range(3)])
+        return alone, together
+
+    alone, together = asyncio.run(main())
+    assert all(events[-1].batch_size == 1 for events in alone)
+    assert max(events[-1].batch_size for events in together) > 1  # they shared a call
+    for a, t in zip(alone, together, strict=True):
+        assert np.array_equal(a[-1].outputs[0], t[-1].outputs[0])
+
+
+def test_bad_input_and_unknown_model_never_reach_the_worker(diffusion_client):
+    [event] = asyncio.run(collect(diffusion_client, DiffusionRequest("x", "nope", "a cat")))
+    assert isinstance(event, ErrorEvent) and event.status == 404
+    [event] = asyncio.run(collect(diffusion_client, DiffusionRequest(
+        "y", "tiny-wan", "a cat", num_frames=10)))
+    assert event.status == 400 and "4k+1" in event.message
+
+
+def test_cancel_stops_at_next_step_and_frees_the_slot(diffusion_client):
+    async def main():
+        long = image_req("long", 1, num_inference_steps=60, width=None, height=None)
+        events = []
+
+        async def consume():
+            async for event in diffusion_client.stream(long):
+                events.append(event)
+                if isinstance(event, StepEvent) and event.step == 2:
+                    assert await diffusion_client.cancel("long")
+
+        await asyncio.wait_for(consume(), timeout=60)
+        after = await collect(diffusion_client, image_req("after", 2))
+        return events, after
+
+    events, after = asyncio.run(main())
+    assert isinstance(events[-1], ErrorEvent) and events[-1].status == 499
+    assert len(events) < 10  # stopped within a step or two, not after 60
+    assert isinstance(after[-1], ResultEvent)
+    assert not asyncio.run(diffusion_client.cancel("long"))  # finished: unknown now
+
+
+def test_closing_the_stream_cancels(diffusion_client):
+    async def main():
+        agen = diffusion_client.stream(image_req("gone", 1, num_inference_steps=60))
+        first = await agen.__anext__()
+        await agen.aclose()
+        assert diffusion_client.queue_depth() == 0
+        return first, await collect(diffusion_client, image_req("next", 3))
+
+    first, nxt = asyncio.run(main())
+    assert isinstance(first, StepEvent) and isinstance(nxt[-1], ResultEvent)
+
+
+def test_step_cache_override_reports_cached_steps(diffusion_client):
+    cache = StepCacheConfig(enabled=True, residual_diff_threshold=0.5)
+    events = asyncio.run(collect(diffusion_client, image_req(
+        "c", 1, num_inference_steps=8, step_cache=cache)))
+    assert events[-1].cached_steps > 0 and events[-1].total_steps == 8
+
+
+def test_crashed_worker_fails_in_flight_requests_with_503():
+    from genserve.multimodal_gen.engine_client import WorkerDiffusionClient
+    from genserve.multimodal_gen.worker import WorkerConfig
+
+    client = WorkerDiffusionClient(WorkerConfig(("tiny-flux",), num_threads=1))
+
+    async def main():
+        events = []
+        async for event in client.stream(image_req("doomed", 1, num_inference_steps=80)):
+            events.append(event)
+            if len(events) == 1:
+                os.kill(client._proc.pid, signal.SIGKILL)
+        late = await collect(client, image_req("late", 1))
+        return events, late
+
+    try:
+        events, late = asyncio.run(asyncio.wait_for(main(), timeout=60))
+        assert isinstance(events[-1], ErrorEvent) and events[-1].status == 503
+        assert not client.is_healthy()
+        assert late[-1].status == 503
+    finally:
+        asyncio.run(client.shutdown())
+
+
+def test_gateway_side_never_imports_torch():
+    code = (
+        "import sys\n"
+        "import genserve.entrypoints.images.router, genserve.entrypoints.videos.router\n"
+        "import genserve.multimodal_gen.launch, genserve.multimodal_gen.engine_client\n"
+        "import genserve.multimodal_gen.generate_cli\n"
+        "assert 'torch' not in sys.modules and 'diffusers' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -1,0 +1,157 @@
+"""The pipeline families in this process with the embedded tiny models: per-request seeds under
+batching, step caching, previews, image-to-image and loading a diffusers folder."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+
+from genserve.multimodal_gen.messages import ResolvedRequest, StepCacheConfig  # noqa: E402
+from genserve.multimodal_gen.pipelines import load_model  # noqa: E402
+
+NO_CACHE = StepCacheConfig()
+
+
+def req(rid="r", seeds=(1,), prompt="a red cat", size=32, steps=2, frames=1, guidance=3.5,
+        cache=NO_CACHE, init_image=None, strength=None) -> ResolvedRequest:
+    return ResolvedRequest(rid, "m", prompt, None, size, size, frames, None, steps, guidance,
+                           tuple(seeds), cache, False, 0, init_image, strength, time.time())
+
+
+@pytest.fixture(scope="module")
+def flux():
+    return load_model("tiny-flux")
+
+
+@pytest.fixture(scope="module")
+def wan():
+    return load_model("tiny-wan")
+
+
+def run(model, *requests):
+    steps = []
+    out = model.generate(list(requests), lambda s, t, d: steps.append((s, t)))
+    return out, steps
+
+
+def test_batched_equals_alone_and_seeds_matter(flux):
+    a, steps = run(flux, req("a", (1,)))
+    assert steps == [(1, 2), (2, 2)]
+    b, _ = run(flux, req("b", (2,), "a blue dog"))
+    both, _ = run(flux, req("a", (1,)), req("b", (2,), "a blue dog"))
+    assert np.array_equal(both.frames[0], a.frames[0])
+    assert np.array_equal(both.frames[1], b.frames[0])
+    assert a.frames[0].shape == (1, 32, 32, 3) and a.frames[0].dtype == np.uint8
+    same_prompt, _ = run(flux, req("c", (2,)))
+    assert not np.array_equal(same_prompt.frames[0], a.frames[0])  # only the seed differs
+
+
+def test_video_batched_equals_alone(wan):
+    a, _ = run(wan, req("a", (1,), frames=5, guidance=2.0))
+    both, _ = run(wan, req("b", (5,), frames=5, guidance=2.0), req("a", (1,), frames=5,
+                                                                   guidance=2.0))
+    assert a.frames[0].shape == (5, 32, 32, 3)
+    assert np.array_equal(both.frames[1], a.frames[0])
+
+
+def test_step_cache_threshold_zero_is_exact_and_half_caches(flux):
+    plain, _ = run(flux, req(steps=8))
+    exact, _ = run(flux, req(steps=8, cache=StepCacheConfig(True, residual_diff_threshold=0.0)))
+    assert np.array_equal(exact.frames[0], plain.frames[0]) and exact.cached_steps == 0
+    cached, _ = run(flux, req(steps=8, cache=StepCacheConfig(True, residual_diff_threshold=0.5)))
+    assert 0 < cached.cached_steps < 8
+    # New size and step count with the cache attached: refreshed, not stale.
+    other, steps = run(flux, req(size=48, steps=5,
+                                 cache=StepCacheConfig(True, residual_diff_threshold=0.5)))
+    assert other.frames[0].shape == (1, 48, 48, 3) and len(steps) == 5
+    assert other.cached_steps <= 5
+    # Capped cached steps and warmup are honoured.
+    capped, _ = run(flux, req(steps=8, cache=StepCacheConfig(
+        True, residual_diff_threshold=0.5, warmup_steps=3, max_cached_steps=2)))
+    assert capped.cached_steps <= 2
+    # Turning caching off again gives the uncached pixels back.
+    again, _ = run(flux, req(steps=8))
+    assert np.array_equal(again.frames[0], plain.frames[0]) and again.cached_steps == 0
+
+
+def test_step_cache_on_video_with_cfg(wan):
+    plain, _ = run(wan, req(steps=6, frames=5, guidance=2.0))
+    cached, _ = run(wan, req(steps=6, frames=5, guidance=2.0,
+                             cache=StepCacheConfig(True, residual_diff_threshold=0.5)))
+    assert cached.cached_steps > 0
+    assert cached.frames[0].shape == plain.frames[0].shape
+
+
+def test_step_cache_is_per_instance(flux, wan):
+    # Attaching DBCache to one pipeline's transformer leaves the class alone.
+    run(flux, req(cache=StepCacheConfig(True, residual_diff_threshold=0.5)))
+    cls = type(flux.pipe.transformer)
+    assert "forward" in vars(flux.pipe.transformer)  # instance attribute
+    assert not getattr(cls.forward, "_is_cached", False)
+    assert "forward" not in vars(type(flux.pipe))
+
+
+def test_previews_projection_and_decode(wan):
+    r = req(frames=5, guidance=2.0)
+    latents = torch.randn(1, 4, 2, 4, 4)
+    cheap = wan.preview({"latents": latents}, r, full_decode=False)
+    full = wan.preview({"latents": latents}, r, full_decode=True)
+    assert cheap.shape == full.shape == (5, 32, 32, 3) and cheap.dtype == np.uint8
+    # The projection is fitted to the VAE: it tracks the real decode far better than grey.
+    err = np.abs(cheap.astype(float) - full).mean()
+    grey = np.abs(127.5 - full.astype(float)).mean()
+    assert err < grey
+
+
+def test_image_to_image_uses_the_input(flux):
+    from PIL import Image
+
+    def png(color):
+        buf = io.BytesIO()
+        Image.new("RGB", (32, 32), color).save(buf, format="PNG")
+        return buf.getvalue()
+
+    red, _ = run(flux, req(init_image=png((255, 0, 0)), strength=0.3, steps=4))
+    blue, steps = run(flux, req(init_image=png((0, 0, 255)), strength=0.3, steps=4))
+    # Only the re-noised tail of the schedule runs, and progress reports that total.
+    assert len(steps) < 4 and steps[-1] == (len(steps), len(steps))
+    assert blue.total_steps == len(steps)
+    assert red.frames[0][..., 0].mean() > blue.frames[0][..., 0].mean()
+
+
+def test_load_diffusers_folder(flux, tmp_path):
+    flux.pipe.save_pretrained(tmp_path / "my-flux")
+    model = load_model(str(tmp_path / "my-flux"))
+    assert model.name == "my-flux" and model.spec.family == "flux"
+    assert model.spec.default_width == 1024  # a real checkpoint's defaults
+    out, _ = run(model, req())
+    ref, _ = run(flux, req())
+    assert np.array_equal(out.frames[0], ref.frames[0])
+
+
+def test_batch_invariant_layers_match_row_by_row():
+    from genserve.multimodal_gen.batch_invariance import make_batch_invariant
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 2, stride=2), torch.nn.Flatten(),
+                                torch.nn.Linear(8 * 4 * 4, 16))
+    assert make_batch_invariant(model) == 2
+    x = torch.randn(7, 3, 8, 8)
+    with torch.no_grad():
+        rows = [model(x[i : i + 1]) for i in range(7)]
+        for batch in range(1, 8):
+            out = model(x[:batch])
+            for i in range(batch):
+                assert torch.equal(out[i], rows[i][0])
+
+
+def test_unsupported_folder_is_a_clear_error(tmp_path):
+    (tmp_path / "model_index.json").write_text('{"_class_name": "KandinskyPipeline"}')
+    with pytest.raises(ValueError, match="not supported"):
+        load_model(str(tmp_path))

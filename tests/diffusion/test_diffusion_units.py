@@ -1,0 +1,156 @@
+"""Validation, batching, the output store and encoding: no models, no worker."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from genserve.multimodal_gen.batcher import RequestBatcher
+from genserve.multimodal_gen.encoding import encode_image, encode_mp4, probe_mp4
+from genserve.multimodal_gen.messages import (
+    TEXT_TO_IMAGE,
+    TEXT_TO_VIDEO,
+    DiffusionRequest,
+    ModelSpec,
+    StepCacheConfig,
+)
+from genserve.multimodal_gen.output_store import OutputStore
+from genserve.multimodal_gen.validation import parse_size, resolve_request
+
+IMAGE = ModelSpec(name="img", task=TEXT_TO_IMAGE, family="flux", size_factor=16,
+                  max_pixels=256 * 256, default_width=64, default_height=64, default_steps=4,
+                  default_guidance=3.5, max_steps=50)
+VIDEO = ModelSpec(name="vid", task=TEXT_TO_VIDEO, family="wan", size_factor=16,
+                  max_pixels=128 * 128, default_width=64, default_height=64, default_steps=4,
+                  default_guidance=1.0, default_num_frames=9, frame_rule="4k+1",
+                  max_num_frames=33, default_fps=8)
+
+
+def resolve(spec=IMAGE, **kw):
+    return resolve_request(DiffusionRequest("r", spec.name, kw.pop("prompt", "a cat"), **kw),
+                           spec, StepCacheConfig())
+
+
+def test_defaults_filled_and_seeds_consecutive():
+    r = resolve(seed=7, num_outputs=3)
+    assert (r.width, r.height, r.num_inference_steps, r.num_frames) == (64, 64, 4, 1)
+    assert r.seeds == (7, 8, 9)
+    v = resolve(VIDEO)
+    assert (v.num_frames, v.fps) == (9, 8)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(width=40), ["width 40", "multiple of 16", "use 32 or 48"]),
+    (dict(width=512, height=512), ["512x512", "over the cap"]),
+    (dict(num_inference_steps=0), ["num_inference_steps", "between 1 and 50"]),
+    (dict(num_inference_steps=51), ["between 1 and 50", "got 51"]),
+    (dict(guidance_scale=-1.0), ["guidance_scale", "between 0.0 and 30.0"]),
+    (dict(prompt="  "), ["prompt must not be empty"]),
+    (dict(num_outputs=9), ["n must be between 1 and 8"]),
+    (dict(init_image=b"x"), ["does not support image edits"]),
+])
+def test_bad_image_input_says_what_to_do(kw, words):
+    with pytest.raises(ValueError) as exc:
+        resolve(**kw)
+    for word in words:
+        assert word in str(exc.value)
+
+
+def test_frame_rule_is_explained_never_rounded():
+    with pytest.raises(ValueError) as exc:
+        resolve(VIDEO, num_frames=8)
+    msg = str(exc.value)
+    assert "num_frames 8" in msg and "4k+1" in msg and "5 or 9" in msg
+    with pytest.raises(ValueError, match="over the cap of 33"):
+        resolve(VIDEO, num_frames=37)
+    assert resolve(VIDEO, num_frames=13).num_frames == 13
+    with pytest.raises(ValueError, match="makes images"):
+        resolve(IMAGE, num_frames=5)
+
+
+def test_parse_size_rejects_non_numeric():
+    assert parse_size("32x48") == (32, 48)
+    for bad in ("axb", "32", "32x", "-32x32", "32.5x32"):
+        with pytest.raises(ValueError, match="WIDTHxHEIGHT"):
+            parse_size(bad)
+
+
+def test_step_cache_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="fn"):
+        StepCacheConfig(enabled=True, fn=0)
+    with pytest.raises(ValueError, match="residual_diff_threshold"):
+        StepCacheConfig(residual_diff_threshold=-0.1)
+
+
+def test_batcher_groups_same_shape_up_to_max_and_waits_delay():
+    b = RequestBatcher(max_batch_size=3, delay_s=0.1)
+    a1, a2 = resolve(seed=1), resolve(seed=2)
+    big = resolve(seed=3, width=32)  # another shape: never with the 64x64 ones
+    a3 = resolve(seed=4, num_outputs=2)
+    object.__setattr__(a2, "request_id", "a2")
+    object.__setattr__(big, "request_id", "big")
+    object.__setattr__(a3, "request_id", "a3")
+    b.add(a1, now=0.0)
+    b.add(big, now=0.01)
+    b.add(a2, now=0.02)
+    b.add(a3, now=0.03)
+    b.check_integrity()
+    assert b.pop_batch(now=0.05) == []  # not full (1 + 1 + 2 > 3 stops at a2), not due
+    assert b.wait_time(now=0.05) == pytest.approx(0.05)
+    batch = b.pop_batch(now=0.11)
+    assert [r.request_id for r in batch] == ["r", "a2"]
+    b.check_integrity()
+    assert [r.request_id for r in b.pop_batch(now=0.2)] == ["big"]
+    assert b.remove("a3") and not b.remove("a3")
+    assert len(b) == 0 and b.wait_time() is None
+
+
+def test_batcher_runs_full_batch_at_once():
+    b = RequestBatcher(max_batch_size=2, delay_s=10.0)
+    r1, r2 = resolve(seed=1), resolve(seed=2)
+    object.__setattr__(r2, "request_id", "r2")
+    b.add(r1, now=0.0)
+    b.add(r2, now=0.0)
+    assert len(b.pop_batch(now=0.0)) == 2
+
+
+def test_output_store_caps_size_and_age(tmp_path, monkeypatch):
+    store = OutputStore(tmp_path, max_bytes=250, max_age_s=60)
+    for i in range(4):
+        store.put(f"o{i}", bytes(100), "png")
+        store.check_integrity()
+    assert store.total_bytes <= 250 and len(store) == 2
+    assert store.get("o0") is None and store.get("o3")[1] == "image/png"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o2.png", "o3.png"]
+    # A restarted store finds the files it left.
+    again = OutputStore(tmp_path, max_bytes=250, max_age_s=60)
+    assert again.get("o2") is not None
+    import genserve.multimodal_gen.output_store as mod
+
+    now = mod.time.time()
+    monkeypatch.setattr(mod.time, "time", lambda: now + 61)
+    assert again.get("o2") is None
+    again.put("new", bytes(10), "mp4")
+    again.check_integrity()
+    assert len(again) == 1 and again.total_bytes == 10
+    with pytest.raises(ValueError):
+        again.put("../escape", b"x", "png")
+
+
+def test_encoders_round_trip(tmp_path):
+    rng = np.random.default_rng(0)
+    frame = rng.integers(0, 256, (16, 32, 3), dtype=np.uint8)
+    from io import BytesIO
+
+    from PIL import Image
+
+    png = encode_image(frame, "png")
+    assert np.array_equal(np.asarray(Image.open(BytesIO(png))), frame)
+    for fmt, pil in (("jpeg", "JPEG"), ("webp", "WEBP")):
+        assert Image.open(BytesIO(encode_image(frame, fmt))).format == pil
+    video = rng.integers(0, 256, (9, 32, 48, 3), dtype=np.uint8)
+    path = tmp_path / "v.mp4"
+    path.write_bytes(encode_mp4(video, fps=8))
+    info = probe_mp4(path)
+    assert info == {"faststart": True, "codec": "h264", "pix_fmt": "yuv420p", "fps": 8.0,
+                    "num_frames": 9, "width": 48, "height": 32}
