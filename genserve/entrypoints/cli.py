@@ -58,7 +58,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="Allow this browser origin (repeatable; CORS is off by default).")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
-    p.add_argument("--max-realtime-sessions", type=int, default=2)
+    p.add_argument("--max-realtime-sessions", type=int, default=4,
+                   help="Concurrent realtime video WebSocket sessions.")
     p.add_argument("--no-llm", action="store_true", help="Do not start an LLM runtime.")
     p.add_argument("--no-diffusion", action="store_true",
                    help="Do not start the diffusion runtime.")

@@ -18,6 +18,8 @@ class GatewayConfig:
     max_queued_requests: int | None = None
     # Extra names under which the first LLM is also served (`--served-model-name`).
     served_model_names: tuple[str, ...] = ()
+    # Concurrent realtime video WebSocket sessions (read by the realtime router).
+    max_realtime_sessions: int = 4
     host: str = "127.0.0.1"
     port: int = 30000
 
@@ -35,5 +37,8 @@ class GatewayConfig:
             raise ValueError("cors_origins must be a tuple of origins")
         if not isinstance(self.served_model_names, tuple):
             raise ValueError("served_model_names must be a tuple of names")
+        if self.max_realtime_sessions < 1:
+            raise ValueError(
+                f"max_realtime_sessions must be >= 1, got {self.max_realtime_sessions}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")

@@ -58,7 +58,7 @@ def gateway_config_from(args: argparse.Namespace) -> GatewayConfig:
         api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         cors_origins=tuple(args.cors_origin or ()), max_queued_requests=limit,
         served_model_names=tuple(args.served_model_name or ()),
-        host=args.host, port=args.port)
+        max_realtime_sessions=args.max_realtime_sessions, host=args.host, port=args.port)
 
 
 def _wanted(args: argparse.Namespace) -> tuple[bool, bool]:
@@ -132,7 +132,8 @@ def _make_server(app: Any, config: GatewayConfig, log_level: str) -> Any:
                     loop.remove_signal_handler(sig)
 
     return Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=log_level, lifespan="off",
+        # lifespan on: routers (realtime) release their resources at shutdown through it.
+        app, host=config.host, port=config.port, log_level=log_level, lifespan="on",
         timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S))
 
 

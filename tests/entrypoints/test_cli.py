@@ -17,6 +17,7 @@ def test_serve_defaults_and_mapping():
     assert _wanted(args) == (True, True)
     cfg = gateway_config_from(args)
     assert cfg.api_key is None and cfg.cors_origins == () and cfg.max_queued_requests is None
+    assert cfg.max_realtime_sessions == 4
     args = build_parser().parse_args([
         "serve", "--model-path", "/m.gguf", "--max-queued-requests", "8",
         "--max-running-requests", "4", "--api-key", "k", "--disable-radix-cache",

@@ -166,3 +166,19 @@ def test_engine_crash_mid_stream_ends_the_stream_with_an_error(server):
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     assert '"error"' in lines[-2] and "stopped" in lines[-2]
+
+
+def test_cors_when_enabled_and_preflight_needs_no_key(make_server):
+    srv = make_server(cors_origins=("http://app.example",), api_key="k")
+    pre = httpx.options(srv.url + "/v1/chat/completions", headers={
+        "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert pre.status_code == 200
+    assert pre.headers["access-control-allow-origin"] == "http://app.example"
+    r = httpx.post(srv.url + "/v1/chat/completions", json=CHAT, headers={
+        "Origin": "http://app.example", "Authorization": "Bearer k"})
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == "http://app.example"
+    other = httpx.options(srv.url + "/v1/chat/completions", headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in other.headers

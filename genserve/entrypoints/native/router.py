@@ -34,7 +34,8 @@ def build_router() -> APIRouter:
                               state: GatewayState = Depends(get_state)) -> dict[str, Any]:
         return await serving.server_info(state, model)
 
-    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    @router.get("/flush_cache")
+    @router.post("/flush_cache")
     async def flush_cache(model: str | None = None,
                           state: GatewayState = Depends(get_state)) -> dict[str, Any]:
         return await serving.flush_cache(state, model)
