@@ -3,27 +3,23 @@ after the server restarts (same port, new process state)."""
 
 from __future__ import annotations
 
-import shutil
 from urllib.parse import urlparse
 
 import pytest
 
 from genserve.entrypoints.app import create_app
 from genserve.entrypoints.config import GatewayConfig
+from tests.realtime.browser import launch_chromium
 from tests.realtime.fake_diffusion import FakeDiffusionClient
 from tests.realtime.server import serve
-from tests.realtime.test_real_model import CHROMIUM_ARGS
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def test_web_ui_shows_errors_and_reconnects_after_a_server_restart():
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
     sync_api = pytest.importorskip("playwright.sync_api")
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        browser = launch_chromium(pw)
         try:
             page = browser.new_page()
             app = create_app(GatewayConfig(), [], FakeDiffusionClient())

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import statistics
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,16 +17,13 @@ import websockets
 from genserve.entrypoints.app import create_app
 from genserve.entrypoints.config import GatewayConfig
 from genserve.entrypoints.realtime.frames import FrameFormat
+from tests.realtime.browser import launch_chromium
 from tests.realtime.client import Received, receive_until, run_session, ws_url
 from tests.realtime.server import serve
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
 
 
 @pytest.fixture(scope="module")
@@ -115,14 +111,11 @@ _SAMPLER = """
 
 
 def test_web_ui_plays_the_tiny_video_model(real_server):
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
     sync_api = pytest.importorskip("playwright.sync_api")
     base, _ = real_server
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        browser = launch_chromium(pw)
         try:
             page = browser.new_page(viewport={"width": 1100, "height": 800})
             console_errors: list[str] = []
