@@ -20,8 +20,8 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
                         "SmolLM2-135M-Instruct.")
     g.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                    help="Extra name under which the first LLM is served (repeatable).")
-    g.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
-                   help="Weights and activations dtype (default: the runtime's choice).")
+    g.add_argument("--dtype", default=None, choices=("auto", "bfloat16", "float16", "float32"),
+                   help="Weights and activations dtype (default auto: the runtime picks).")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
     g.add_argument("--attention-backend", default=None, choices=("torch", "triton"))
     g.add_argument("--schedule-policy", default="fcfs", choices=("fcfs", "lpm", "dfs-weight"))

@@ -73,11 +73,9 @@ def _wanted(args: argparse.Namespace) -> tuple[bool, bool]:
 
 
 def import_async_engine() -> Any:
-    """The runtime's `AsyncEngine` class (re-exported by `genserve.srt.engine`)."""
-    try:
-        from genserve.srt.engine import AsyncEngine
-    except ImportError:
-        from genserve.srt.async_engine import AsyncEngine
+    """The runtime's `AsyncEngine` class (importing it does not import torch)."""
+    from genserve.srt.engine import AsyncEngine
+
     return AsyncEngine
 
 

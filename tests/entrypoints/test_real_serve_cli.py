@@ -1,5 +1,5 @@
-"""`genserve serve` as a user runs it: the embedded SmolLM2 comes up, answers, and SIGTERM
-shuts everything down (exit code 0, no scheduler process left behind)."""
+"""`genserve serve` as a user runs it: the embedded SmolLM2 comes up, answers, survives its
+scheduler crashing (503s, no hang), and SIGTERM exits 0 with no child process left behind."""
 
 from __future__ import annotations
 
@@ -55,6 +55,9 @@ def test_serve_answers_and_sigterm_shuts_down_cleanly():
                                            "content": "What is the capital of France?"}]})
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
         assert httpx.post(url + "/generate", json={"text": "x"}).status_code == 401
+        schedulers = [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+        assert schedulers
+        _crash_scheduler_mid_stream(url, schedulers)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         gone, alive = psutil.wait_procs(children, timeout=10)
@@ -65,3 +68,25 @@ def test_serve_answers_and_sigterm_shuts_down_cleanly():
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def _crash_scheduler_mid_stream(url: str, schedulers: list[psutil.Process]) -> None:
+    """A dead scheduler ends the in-flight stream with an error (no hang); /health says 503."""
+    body = {"text": "Tell me a long story.", "stream": True,
+            "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    events = []
+    with httpx.stream("POST", url + "/generate", json=body, timeout=60,
+                      headers={"x-api-key": "k"}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line)
+            if len(events) == 2:
+                for child in schedulers:
+                    child.kill()
+    assert events[-1] == "data: [DONE]"
+    assert '"error"' in events[-2]
+    assert httpx.get(url + "/health", timeout=10).status_code == 503
+    r = httpx.post(url + "/generate", json={"text": "x"}, headers={"x-api-key": "k"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
