@@ -243,3 +243,27 @@ def test_web_ui_is_served_and_unknown_assets_are_404():
         assert "javascript" in httpx.get(base + "/ui/app.js").headers["content-type"]
         missing = httpx.get(base + "/ui/secret.py")
         assert missing.status_code == 404 and "error" in missing.json()
+
+
+async def _out_of_turn(base: str) -> list[dict]:
+    replies = []
+    async with websockets.connect(ws_url(base)) as ws:
+        await ws.send(b"\x00\x01")  # binary from the client
+        replies.append(await receive_until(ws, Received(), {"error"}, 10))
+        await ws.send(json.dumps({"type": "prompt", "prompt": "x"}))  # nothing running
+        replies.append(await receive_until(ws, Received(), {"error"}, 10))
+        await ws.send(json.dumps({"type": "start", **_start(num_inference_steps=60)}))
+        await receive_until(ws, Received(), {"started"}, 10)
+        await ws.send(json.dumps({"type": "start", **_start()}))  # already running
+        replies.append(await receive_until(ws, Received(), {"error"}, 10))
+        await ws.send(json.dumps({"type": "stop"}))
+        replies.append(await receive_until(ws, Received(), {"done"}, 10))
+    return replies
+
+
+def test_messages_out_of_turn_get_errors_without_ending_the_session():
+    with realtime_server(FakeDiffusionClient(step_delay_s=0.05)) as (base, serving):
+        replies = asyncio.run(_out_of_turn(base))
+        serving.check_integrity()
+    assert [r.get("code") for r in replies[:3]] == ["invalid_message", "not_running", "busy"]
+    assert replies[3]["stopped"] is True

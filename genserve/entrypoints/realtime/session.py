@@ -16,7 +16,7 @@ from concurrent.futures import Executor
 from functools import partial
 from typing import Any
 
-from starlette.websockets import WebSocket
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from genserve.entrypoints.realtime.frames import FrameKind, encode_frame
 from genserve.entrypoints.realtime.protocol import (
@@ -69,7 +69,14 @@ class RealtimeSession:
         writer = asyncio.create_task(self.sender.run())
         reader = asyncio.create_task(self._read_loop())
         try:
-            await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                exc = task.exception()
+                if exc is not None and not isinstance(exc, WebSocketDisconnect):
+                    # A send to a vanished client fails here too; a reader error is a bug.
+                    log = logger.error if task is reader else logger.debug
+                    log("realtime session %s ended: %r", self.session_id, exc,
+                        exc_info=exc if task is reader else None)
         finally:
             await self._cancel_generation()
             for task in (reader, writer):
