@@ -79,8 +79,12 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--model", default=None,
+                   help="Diffusion model: embedded name (tiny-flux, tiny-wan), diffusers folder "
+                        "or hub id (implies a diffusion request).")
     p.add_argument("--task", default=None, choices=("text-to-image", "text-to-video"),
                    help="Diffusion task (implies a diffusion model).")
+    p.add_argument("--n", type=int, default=1, help="Diffusion: number of outputs.")
     p.add_argument("--output", default=None, help="Image / video output file.")
     p.add_argument("--negative-prompt", default=None)
     p.add_argument("--width", type=int, default=None)

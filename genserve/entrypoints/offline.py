@@ -12,12 +12,15 @@ _MEDIA_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".mp4", ".gif")
 
 def is_diffusion_request(args: argparse.Namespace) -> bool:
     output = (args.output or "").lower()
-    return bool(args.diffusion_model_path or args.task or output.endswith(_MEDIA_SUFFIXES))
+    return bool(args.diffusion_model_path or args.model or args.task
+                or output.endswith(_MEDIA_SUFFIXES))
 
 
 def run_generate(args: argparse.Namespace) -> int:
     configure_logging(args.log_level or "warning")
     if is_diffusion_request(args):
+        if not args.output:
+            raise ValueError("a diffusion request needs --output (out.png, .jpg, .webp or .mp4)")
         try:
             from genserve.multimodal_gen.generate_cli import run
         except ImportError as exc:

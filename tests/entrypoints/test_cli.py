@@ -46,3 +46,14 @@ def test_console_help_runs():
     result = subprocess.run([sys.executable, "-m", "genserve.entrypoints.cli", "serve",
                              "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "--max-queued-requests" in result.stdout
+
+
+def test_generate_routes_to_text_or_diffusion():
+    from genserve.entrypoints.offline import is_diffusion_request
+
+    parse = build_parser().parse_args
+    assert not is_diffusion_request(parse(["generate", "--prompt", "hi"]))
+    assert is_diffusion_request(parse(["generate", "--prompt", "a cat", "--output", "c.png"]))
+    assert is_diffusion_request(parse(["generate", "--prompt", "a", "--model", "tiny-wan"]))
+    assert is_diffusion_request(parse(["generate", "--prompt", "a", "--task", "text-to-video"]))
+    assert main(["generate", "--prompt", "a", "--model", "tiny-flux"]) == 2  # no --output
