@@ -43,6 +43,7 @@ def server(diffusion_client, output_dir):
 
     app = create_app(GatewayConfig(), llm_clients=[], diffusion_client=diffusion_client)
     live = LiveServer(app)
+    live.output_dir = output_dir
     yield live
     live.stop()
 

@@ -41,5 +41,4 @@ def build_router(diffusion_client: DiffusionEngineClient, config: Any) -> APIRou
         path, media_type = serving.content(image_id)
         return FileResponse(path, media_type=media_type)
 
-    router.image_serving = serving  # for tests and metrics: the store behind these routes
     return router

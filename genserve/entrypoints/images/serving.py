@@ -22,6 +22,7 @@ from genserve.multimodal_gen.messages import (
     STATUS_CANCELLED,
     STATUS_UNKNOWN_MODEL,
     TEXT_TO_IMAGE,
+    TEXT_TO_VIDEO,
     DiffusionRequest,
     ErrorEvent,
     ModelSpec,
@@ -53,8 +54,9 @@ def resolve_model(client: DiffusionEngineClient, model: str | None, task: str,
     except KeyError:
         raise model_not_found(model, [s["id"] for s in client.list_models()]) from None
     if spec.task != task:
+        other = "/v1/videos" if spec.task == TEXT_TO_VIDEO else "/v1/images/generations"
         raise bad_request(f"model {model!r} is a {spec.task} model; {endpoint} needs a {task} "
-                          "model", param="model")
+                          f"model (use {other} for this one)", param="model")
     return spec
 
 

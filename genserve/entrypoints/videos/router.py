@@ -52,5 +52,4 @@ def build_router(diffusion_client: DiffusionEngineClient, config: Any) -> APIRou
     async def delete(video_id: str) -> dict:
         return await serving.delete(video_id)
 
-    router.video_serving = serving
     return router

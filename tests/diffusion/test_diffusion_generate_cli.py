@@ -1,0 +1,42 @@
+"""`genserve generate` for diffusion models, without a server."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from PIL import Image
+
+pytest.importorskip("diffusers")
+
+from genserve.multimodal_gen.encoding import probe_mp4  # noqa: E402
+from genserve.multimodal_gen.generate_cli import add_arguments, run  # noqa: E402
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_image_and_video_files(tmp_path, capsys):
+    png = tmp_path / "cat.png"
+    assert run(parse("--model", "tiny-flux", "--prompt", "a red cat", "--output", str(png),
+                     "--width", "48", "--height", "32", "--num-inference-steps", "2")) == 0
+    assert Image.open(png).size == (48, 32)
+    mp4 = tmp_path / "bird.mp4"
+    assert run(parse("--prompt", "a bird", "--output", str(mp4), "--width", "32", "--height",
+                     "32", "--num-frames", "5", "--num-inference-steps", "2")) == 0
+    info = probe_mp4(mp4)
+    assert info["num_frames"] == 5 and info["fps"] == 8.0  # tiny-wan picked by the .mp4
+    err = capsys.readouterr().err
+    assert "denoising" in err and "2/2" in err  # the tqdm progress bar
+
+
+def test_mismatched_output_and_bad_input(tmp_path, capsys):
+    assert run(parse("--model", "tiny-flux", "--prompt", "x", "--output",
+                     str(tmp_path / "x.mp4"))) == 2
+    assert "makes an image" in capsys.readouterr().err
+    assert run(parse("--model", "tiny-wan", "--prompt", "x", "--output", str(tmp_path / "x.mp4"),
+                     "--num-frames", "6")) == 2
+    assert "4k+1" in capsys.readouterr().err
