@@ -151,6 +151,12 @@ async def _stop_during_playback(base: str) -> Received:
     async with websockets.connect(ws_url(base)) as ws:
         await ws.send(json.dumps({"type": "start", **_start(num_inference_steps=1, fps=2)}))
         await receive_until(ws, out, {"done", "error"}, 30, stop_after_finals=1)
+        # A new run plays at once: it does not wait for the stopped run's time slots.
+        again = Received()
+        t0 = time.monotonic()
+        await ws.send(json.dumps({"type": "start", **_start(num_inference_steps=1, fps=2)}))
+        await receive_until(ws, again, {"chunk_done"}, 30)
+        assert again.final_times[0] - t0 < 1.0
     return out
 
 

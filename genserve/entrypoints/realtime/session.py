@@ -111,6 +111,7 @@ class RealtimeSession:
             # Also stops the playback of frames already made (and their queued `done`).
             await self._cancel_generation()
             self.sender.clear()
+            self._next_frame_time = 0.0  # the cleared frames' time slots are free again
             self.sender.send_json(done_message(self._chunks_done, stopped=True))
 
     def _error(self, code: str, message: str) -> None:
