@@ -70,9 +70,10 @@ def test_session_streams_previews_then_paced_finals(fmt):
         err = np.abs(rgb.astype(int) - expected[header.frame_index].astype(int)).mean()
         assert err < (0.01 if fmt == "rgb" else 8.0), err
 
-    # Paced at 20 fps: frames 50 ms apart (timer slack allowed, never bunched up).
+    # Paced at 20 fps: frames 50 ms apart (the median is robust to one scheduling hiccup of
+    # this test's own client; the span shows they were not sent in a burst).
     gaps = np.diff(out.final_times)
-    assert gaps.min() > 0.035, gaps
+    assert 0.04 < float(np.median(gaps)) < 0.08, gaps
     assert out.final_times[-1] - out.final_times[0] > 0.17
 
     # chunk_done (with timings) follows the last frame; done is last.
@@ -235,7 +236,7 @@ def test_continuous_mode_takes_a_new_prompt_between_chunks():
     assert [m["chunk"] for m in out.of_type("chunk_done")] == [0, 1, 2]
     assert out.of_type("done")[0]["chunks"] == 3
     # Continuous playback: no gap between chunks beyond the frame interval (+ slack).
-    assert np.diff(out.final_times).max() < 0.2
+    assert np.diff(out.final_times).max() < 0.3
 
 
 def test_web_ui_is_served_and_unknown_assets_are_404():

@@ -87,7 +87,7 @@ async def _paced() -> list[float]:
 def test_final_frames_leave_at_their_fps_times():
     offsets = asyncio.run(_paced())
     for i, offset in enumerate(offsets):
-        assert i * 0.04 - 0.001 <= offset <= i * 0.04 + 0.03, offsets
+        assert i * 0.04 - 0.001 <= offset <= i * 0.04 + 0.1, offsets  # never early
 
 
 async def _cleared() -> list:
@@ -120,6 +120,6 @@ def test_wait_paced_below_returns_once_frames_are_written(limit):
             await asyncio.wait_for(sender.wait_paced_below(limit), 5)
             assert sender.paced_pending < limit
             # It waited for frames to be written, not longer than needed.
-            assert time.monotonic() - start < 0.03 * (4 - limit) + 0.1
+            assert time.monotonic() - start < 0.03 * (4 - limit) + 0.3
 
     asyncio.run(main())
