@@ -96,6 +96,7 @@ class GenerationGroup:
         self._iters: list[AsyncIterator[GenerateOutput]] = []
         self._stack = ExitStack()
         self._watcher: asyncio.Task[None] | None = None
+        self._pumps: list[asyncio.Task[None]] = []  # merged(): one task per request
         self._closed = False
 
     async def __aenter__(self) -> GenerationGroup:
@@ -116,6 +117,11 @@ class GenerationGroup:
         with anyio.CancelScope(shield=True):
             if self._watcher is not None:
                 self._watcher.cancel()
+            # Stop the pumps first: each is inside its engine iterator, and cancelling it
+            # runs that iterator's cleanup (an iterator cannot be closed while it runs).
+            for task in self._pumps:
+                task.cancel()
+            await asyncio.gather(*self._pumps, return_exceptions=True)
             for it in self._iters:
                 try:
                     await it.aclose()  # type: ignore[attr-defined]
@@ -212,12 +218,15 @@ class GenerationGroup:
         async def pump(i: int) -> None:
             try:
                 async for out in self.stream(i):
-                    await queue.put((i, out))
-                await queue.put((i, None))
-            except BaseException as exc:  # forwarded to the consumer
-                await queue.put((i, exc))
+                    queue.put_nowait((i, out))
+                queue.put_nowait((i, None))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # forwarded to the consumer
+                queue.put_nowait((i, exc))
 
         tasks = [asyncio.create_task(pump(i)) for i in range(len(self.reqs))]
+        self._pumps.extend(tasks)
         try:
             remaining = len(tasks)
             while remaining:
