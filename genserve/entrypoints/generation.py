@@ -28,6 +28,10 @@ from genserve.srt.messages import GenerateOutput, GenerateRequest
 
 logger = logging.getLogger(__name__)
 
+# Engine requests always stream, even for non-streaming HTTP requests: the gateway then times
+# every token (TTFT / inter-token metrics) and the engine already produces per-step outputs.
+STREAM_FROM_ENGINE = True
+
 # Texts longer than this are tokenized in a worker thread so the event loop stays responsive.
 _INLINE_TOKENIZE_CHARS = 4096
 
@@ -59,6 +63,16 @@ def check_context(client: LLMEngineClient, prompt_len: int, max_new_tokens: int 
             f"{prompt_len + max_new_tokens} tokens exceed the model's context length of "
             f"{limit}. Lower {max_tokens_name} to at most {limit - prompt_len}.",
             param=max_tokens_name, code="context_length_exceeded")
+
+
+def default_max_new_tokens(client: LLMEngineClient, prompt_len: int) -> int:
+    """Output budget when the client gives none: the rest of the context, and never more than
+    the KV pool could hold next to the prompt (a request that can never fit is refused)."""
+    limit = client.context_length
+    pool = client.model_info().get("max_total_tokens")
+    if isinstance(pool, int) and pool > 0:
+        limit = min(limit, pool)
+    return max(1, limit - prompt_len)
 
 
 def output_error(out: GenerateOutput) -> APIError | None:

@@ -32,6 +32,7 @@ class FakeEngine(LLMEngineClient):
         self.context_length = context_length
         self.token_delay = token_delay
         self.default_max_new_tokens = default_max_new_tokens
+        self.max_total_tokens = 4096  # KV pool size reported in model_info / server_info
         self.healthy = True
         self.running: set[str] = set()
         self.aborted: set[str] = set()  # rids aborted through abort()
@@ -133,11 +134,12 @@ class FakeEngine(LLMEngineClient):
 
     def model_info(self) -> dict[str, Any]:
         return {"model_path": "fake", "architecture": "Fake", "dtype": "none",
-                "context_length": self.context_length, "vocab_size": 0x110000}
+                "context_length": self.context_length, "vocab_size": 0x110000,
+                "max_total_tokens": self.max_total_tokens}
 
     async def server_info(self) -> dict[str, Any]:
         return {"num_running_reqs": len(self.running), "num_waiting_reqs": 0,
-                "kv_usage": 0.25, "max_total_tokens": 4096,
+                "kv_usage": 0.25, "max_total_tokens": self.max_total_tokens,
                 "cache": {"cached_prompts": len(self._seen_prompts)}}
 
     def is_healthy(self) -> bool:

@@ -43,6 +43,7 @@ def test_metrics_counters_move(server):
     assert after["genserve_cached_tokens_total" + m] == 4  # "hell" reused by the second prompt
     assert after['genserve_requests_total{model="fake-llm",finish_reason="length"}'] == 1
     assert after['genserve_requests_total{model="fake-llm",finish_reason="stop"}'] == 1
+    # both requests are timed, the non-streaming one too
     assert after["genserve_time_to_first_token_seconds_count" + m] == 2
     assert after["genserve_e2e_request_latency_seconds_count" + m] == 2
     assert after["genserve_inter_token_latency_seconds_count" + m] >= 3

@@ -113,3 +113,15 @@ def test_models_lists_llm(server):
     models = _client(server).models.list()
     assert [m.id for m in models.data] == ["fake-llm"]
     assert models.data[0].model_extra["kind"] == "llm"
+
+
+def test_chat_without_max_tokens_gets_what_fits(make_server):
+    from gateway_fakes import FakeEngine
+
+    engine = FakeEngine(context_length=256)
+    engine.max_total_tokens = 100  # the KV pool is smaller than the context
+    srv = make_server(engine)
+    _client(srv).chat.completions.create(
+        model="fake-llm", messages=[{"role": "user", "content": "hi"}])
+    prompt_len = len("<user>hi\n<assistant>")
+    assert engine.requests[-1].sampling_params["max_new_tokens"] == 100 - prompt_len

@@ -51,7 +51,7 @@ class _Server:
         engine = None
         try:
             # float32: greedy outputs must not depend on batch composition (bf16 rounding can).
-            engine = AsyncEngine(EngineArgs(max_total_tokens=8192, dtype="float32"))
+            engine = AsyncEngine(EngineArgs(max_total_tokens=4096, dtype="float32"))
             app = create_app(GatewayConfig(max_queued_requests=256), [engine])
 
             class Server(uvicorn.Server):
@@ -121,6 +121,10 @@ def test_chat_knows_paris_stream_and_not(client):
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == text
     assert chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
+    # No max_tokens: the budget is the rest of the context (larger than the 4096-token KV
+    # pool here); the model stops by itself.
+    free = _chat(client, "What is the capital of France?", temperature=0)
+    assert free.choices[0].finish_reason == "stop" and "Paris" in free.choices[0].message.content
 
 
 def test_completions_n_seed_stop_logprobs(client):

@@ -15,6 +15,7 @@ from genserve import __version__
 from genserve.entrypoints import sse
 from genserve.entrypoints.errors import APIError, bad_request, not_found, service_unavailable
 from genserve.entrypoints.generation import (
+    STREAM_FROM_ENGINE,
     GenerationGroup,
     check_context,
     new_rid,
@@ -84,7 +85,7 @@ async def build_requests(client: LLMEngineClient, body: GenerateReqInput
                 p["seed"] = sp.seed + i
             reqs.append(GenerateRequest(
                 rid=base_rid if n == 1 else f"{base_rid}-{i}", input_ids=ids,
-                sampling_params=p, stream=body.stream, return_logprob=body.return_logprob,
+                sampling_params=p, stream=STREAM_FROM_ENGINE, return_logprob=body.return_logprob,
                 top_logprobs_num=body.top_logprobs_num, cache_salt=salt))
         is_batch = is_batch or n > 1  # SGLang answers n > 1 with a list
     return reqs, is_batch

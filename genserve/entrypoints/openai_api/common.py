@@ -7,7 +7,7 @@ import uuid
 from typing import Any
 
 from genserve.entrypoints.errors import bad_request
-from genserve.entrypoints.generation import supports_grammar
+from genserve.entrypoints.generation import STREAM_FROM_ENGINE, supports_grammar
 from genserve.entrypoints.openai_api.protocol import SamplingFields
 from genserve.srt.client import LLMEngineClient
 from genserve.srt.messages import GenerateOutput, GenerateRequest
@@ -65,7 +65,7 @@ def fan_out(body: SamplingFields, prompts: list[list[int]], params: dict[str, An
             index = p * body.n + i
             reqs.append(GenerateRequest(
                 rid=f"{base}-{index}" if multiple else base, input_ids=ids, sampling_params=sp,
-                stream=body.stream, return_logprob=logprobs, top_logprobs_num=top_logprobs,
+                stream=STREAM_FROM_ENGINE, return_logprob=logprobs, top_logprobs_num=top_logprobs,
                 cache_salt=body.cache_salt))
     return reqs
 

@@ -11,7 +11,13 @@ from fastapi.responses import JSONResponse, Response
 
 from genserve.entrypoints import sse
 from genserve.entrypoints.errors import APIError, bad_request
-from genserve.entrypoints.generation import GenerationGroup, check_context, primed, tokenize
+from genserve.entrypoints.generation import (
+    GenerationGroup,
+    check_context,
+    default_max_new_tokens,
+    primed,
+    tokenize,
+)
 from genserve.entrypoints.openai_api import common
 from genserve.entrypoints.openai_api.protocol import ChatCompletionRequest, ChatMessage
 from genserve.entrypoints.state import GatewayState
@@ -85,7 +91,7 @@ async def create_chat_completion(state: GatewayState, body: ChatCompletionReques
     name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     check_context(client, len(ids), max_new, name)
     if max_new is None:
-        max_new = client.context_length - len(ids)
+        max_new = default_max_new_tokens(client, len(ids))
     params = common.sampling_params(body, max_new, extra)
     reqs = common.fan_out(body, [ids], params, body.logprobs, body.top_logprobs or 0)
     response_id = common.completion_id("chatcmpl")
