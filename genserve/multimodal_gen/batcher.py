@@ -3,7 +3,9 @@
 The oldest queued request decides the next batch: every queued request with its `batch_key`
 joins it, oldest first, while the batch holds at most `max_batch_size` outputs (a request with
 more outputs than that runs alone). The batch runs once it is full or once the oldest request
-has waited `delay_s`.
+has waited `delay_s`, except that a request arriving after a quiet spell (nothing arrived in
+the `delay_s` before it) runs at once: a lone request never pays the delay, while requests of
+a burst that find the worker busy are batched.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from genserve.multimodal_gen.messages import ResolvedRequest
 class _Queued:
     req: ResolvedRequest
     arrived: float  # time.monotonic() when the worker received it
+    quiet: bool  # nothing else arrived in the delay window before it: do not wait
 
 
 @dataclass
@@ -25,6 +28,7 @@ class RequestBatcher:
     max_batch_size: int = 4
     delay_s: float = 0.01
     _queue: list[_Queued] = field(default_factory=list)
+    _last_arrival: float = float("-inf")
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -36,7 +40,10 @@ class RequestBatcher:
         return len(self._queue)
 
     def add(self, req: ResolvedRequest, now: float | None = None) -> None:
-        self._queue.append(_Queued(req, time.monotonic() if now is None else now))
+        now = time.monotonic() if now is None else now
+        quiet = now - self._last_arrival >= self.delay_s
+        self._last_arrival = now
+        self._queue.append(_Queued(req, now, quiet))
 
     def remove(self, request_id: str) -> bool:
         """Drop a queued request (cancelled before it ran); False if it is not queued."""
@@ -64,7 +71,7 @@ class RequestBatcher:
             return None
         now = time.monotonic() if now is None else now
         batch = self._candidates()
-        if sum(item.req.num_outputs for item in batch) >= self.max_batch_size:
+        if batch[0].quiet or sum(item.req.num_outputs for item in batch) >= self.max_batch_size:
             return 0.0
         return max(0.0, self._queue[0].arrived + self.delay_s - now)
 

@@ -90,6 +90,8 @@ def test_batcher_groups_same_shape_up_to_max_and_waits_delay():
     object.__setattr__(a2, "request_id", "a2")
     object.__setattr__(big, "request_id", "big")
     object.__setattr__(a3, "request_id", "a3")
+    b.add(resolve(seed=9, width=48), now=-0.05)  # a burst is under way
+    assert len(b.pop_batch(now=-0.05)) == 1  # ...whose first request ran at once
     b.add(a1, now=0.0)
     b.add(big, now=0.01)
     b.add(a2, now=0.02)
@@ -105,10 +107,20 @@ def test_batcher_groups_same_shape_up_to_max_and_waits_delay():
     assert len(b) == 0 and b.wait_time() is None
 
 
+def test_batcher_runs_a_lone_request_without_delay():
+    b = RequestBatcher(max_batch_size=4, delay_s=10.0)
+    b.add(resolve(seed=1), now=100.0)
+    assert b.wait_time(now=100.0) == 0.0 and len(b.pop_batch(now=100.0)) == 1
+    b.add(resolve(seed=2), now=100.5)  # within the window of the last arrival: waits
+    assert b.pop_batch(now=101.0) == [] and len(b.pop_batch(now=110.5)) == 1
+
+
 def test_batcher_runs_full_batch_at_once():
     b = RequestBatcher(max_batch_size=2, delay_s=10.0)
     r1, r2 = resolve(seed=1), resolve(seed=2)
     object.__setattr__(r2, "request_id", "r2")
+    b.add(resolve(seed=3, width=32), now=-1.0)
+    b.pop_batch(now=-1.0)
     b.add(r1, now=0.0)
     b.add(r2, now=0.0)
     assert len(b.pop_batch(now=0.0)) == 2

@@ -147,6 +147,7 @@ class ImageServing:
             "size": f"{w}x{h}",
             "num_inference_steps": result.total_steps,
             "cached_steps": result.cached_steps,
+            "batch_size": result.batch_size,  # requests that shared the pipeline call
             "timings": result.timings,
         }
 

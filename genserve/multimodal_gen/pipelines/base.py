@@ -65,6 +65,7 @@ class DiffusionFamily(ABC):
         make_batch_invariant(self.denoiser)
         self.step_cache: StepCache = make_step_cache(self.step_cache_kind, self.denoiser)
         self._img2img: Any = None
+        self._device: torch.device | None = None
         self._previewer: Any = None
 
     @property
@@ -73,7 +74,9 @@ class DiffusionFamily(ABC):
 
     @property
     def device(self) -> torch.device:
-        return self.pipe._execution_device
+        if self._device is None:  # walks every module: look it up once
+            self._device = self.pipe._execution_device
+        return self._device
 
     # ---- per-family pieces ----
 

@@ -1,0 +1,219 @@
+"""Diffusion serving benchmark: the three speed targets of the diffusion engine, in one run.
+
+1. Serving overhead: an HTTP /v1/images/generations request costs <= 1.10x a direct call of the
+   same diffusers FluxPipeline (tiny Flux, 256x256, 8 steps, same seed), median of --repeats.
+2. Dynamic batching: --concurrency concurrent same-shape HTTP requests finish with >= 1.5x the
+   throughput of the same requests sent one after another.
+3. Step cache: DBCache at threshold 0.5 denoises tiny Flux at 28 steps >= 2x faster than
+   uncached; mean absolute difference of the outputs (pixels in [0, 1]) <= 0.01; PSNR reported.
+
+Run (the full run; a few minutes on a GPU, longer on a CPU):
+    python benchmarks/bench_diffusion.py --json-out bench_diffusion.json
+Smoke run (tiny sizes, well under a minute):
+    python benchmarks/bench_diffusion.py --size 64 --steps 2 --cache-steps 6 --repeats 1 \
+        --concurrency 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def start_server(max_batch_size: int, delay_ms: float, args):
+    """The real gateway + diffusion worker (tiny-flux) on 127.0.0.1, in this process."""
+    import socket
+
+    import uvicorn
+
+    from genserve.entrypoints.app import create_app
+    from genserve.entrypoints.config import GatewayConfig
+    from genserve.multimodal_gen.engine_client import WorkerDiffusionClient
+    from genserve.multimodal_gen.worker import WorkerConfig
+
+    client = WorkerDiffusionClient(WorkerConfig(
+        ("tiny-flux",), dtype=args.dtype, device=args.device, max_batch_size=max_batch_size,
+        batch_delay_ms=delay_ms, num_threads=args.threads))
+    app = create_app(GatewayConfig(), llm_clients=[], diffusion_client=client)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    def stop():
+        server.should_exit = True
+        thread.join(timeout=10)
+        asyncio.run(client.shutdown())
+
+    return url, stop
+
+
+def http_generate(http, size: int, steps: int, seed: int, step_cache=False) -> dict:
+    r = http.post("/v1/images/generations", json={
+        "model": "tiny-flux", "prompt": "a red cat on a blue sea", "size": f"{size}x{size}",
+        "num_inference_steps": steps, "seed": seed, "step_cache": step_cache,
+        "output_format": "png"})
+    r.raise_for_status()
+    return r.json()
+
+
+def direct_pipeline(args):
+    """A plain diffusers FluxPipeline with the same (seeded) tiny weights, no genserve code."""
+    import torch
+
+    from genserve.multimodal_gen.embedded import build_tiny_flux
+    from genserve.multimodal_gen.pipelines import LoadOptions, _resolve
+
+    device, dtype = _resolve(LoadOptions(dtype=args.dtype, device=args.device))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        pipe = build_tiny_flux()
+    pipe = pipe.to(device=device, dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+
+    def call(size: int, steps: int, seed: int):
+        gen = torch.Generator(device="cpu" if device.type == "mps" else device).manual_seed(seed)
+        with torch.inference_mode():
+            return pipe(prompt="a red cat on a blue sea", height=size, width=size,
+                        num_inference_steps=steps, generator=gen).images[0]
+
+    return call
+
+
+def timed(fn, repeats: int) -> list[float]:
+    times = []
+    for i in range(repeats):
+        t = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def bench_overhead(args, http) -> dict:
+    direct = direct_pipeline(args)
+    direct(args.size, args.steps, 0)  # warm-up
+    http_generate(http, args.size, args.steps, 0)
+    d = timed(lambda i: direct(args.size, args.steps, i), args.repeats)
+    h = timed(lambda i: http_generate(http, args.size, args.steps, i), args.repeats)
+    ratio = statistics.median(h) / statistics.median(d)
+    return {"direct_s": statistics.median(d), "http_s": statistics.median(h),
+            "ratio": ratio, "target": "<= 1.10", "pass": ratio <= 1.10}
+
+
+def bench_batching(args, url) -> dict:
+    import httpx
+
+    n = args.concurrency
+    with httpx.Client(base_url=url, timeout=600) as http:
+        t = time.perf_counter()
+        for i in range(n):
+            http_generate(http, args.size, args.steps, 100 + i)
+        sequential = time.perf_counter() - t
+
+    def one(i):
+        with httpx.Client(base_url=url, timeout=600) as http:
+            return http_generate(http, args.size, args.steps, 100 + i)
+
+    with ThreadPoolExecutor(n) as pool:
+        t = time.perf_counter()
+        bodies = list(pool.map(one, range(n)))
+        concurrent = time.perf_counter() - t
+    batch_sizes = [b["batch_size"] for b in bodies]
+    denoise_ms = [b["timings"]["denoise"] for b in bodies]
+    speedup = sequential / concurrent
+    return {"requests": n, "sequential_s": sequential, "concurrent_s": concurrent,
+            "batch_sizes": batch_sizes, "denoise_ms": denoise_ms,
+            "throughput_ratio": speedup, "target": ">= 1.5", "pass": speedup >= 1.5}
+
+
+def bench_step_cache(args) -> dict:
+    from genserve.multimodal_gen.messages import ResolvedRequest, StepCacheConfig
+    from genserve.multimodal_gen.pipelines import LoadOptions, load_model
+
+    model = load_model("tiny-flux", LoadOptions(dtype=args.dtype, device=args.device))
+
+    def run(cache: StepCacheConfig):
+        req = ResolvedRequest("b", "tiny-flux", "a red cat on a blue sea", None, args.size,
+                              args.size, 1, None, args.cache_steps, 3.5, (7,), cache, False, 0,
+                              None, None, time.time())
+        return model.generate([req], lambda *a: None)
+
+    off = StepCacheConfig()
+    on = StepCacheConfig(enabled=True, residual_diff_threshold=args.threshold)
+    run(off), run(on)  # warm-up
+    plain = [run(off) for _ in range(args.repeats)]
+    cached = [run(on) for _ in range(args.repeats)]
+    t_plain = statistics.median(o.timings["denoise"] for o in plain)
+    t_cached = statistics.median(o.timings["denoise"] for o in cached)
+    a = plain[0].frames[0].astype(np.float64) / 255.0
+    b = cached[0].frames[0].astype(np.float64) / 255.0
+    mad = float(np.abs(a - b).mean())
+    mse = float(((a - b) ** 2).mean())
+    psnr = float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+    speedup = t_plain / t_cached
+    return {"steps": args.cache_steps, "threshold": args.threshold,
+            "cached_steps": cached[0].cached_steps, "denoise_ms_uncached": t_plain,
+            "denoise_ms_cached": t_cached, "speedup": speedup, "mad": mad, "psnr_db": psnr,
+            "target": "speedup >= 2 and mad <= 0.01",
+            "pass": speedup >= 2.0 and mad <= 0.01}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", type=int, default=256)
+    p.add_argument("--steps", type=int, default=8, help="steps for targets 1 and 2")
+    p.add_argument("--cache-steps", type=int, default=28, help="steps for target 3")
+    p.add_argument("--threshold", type=float, default=0.5)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--batch-delay-ms", type=float, default=20.0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--only", choices=("overhead", "batching", "step_cache"), default=None)
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    import httpx
+
+    results: dict = {"config": vars(args)}
+    if args.only in (None, "overhead", "batching"):
+        url, stop = start_server(args.concurrency, args.batch_delay_ms, args)
+        try:
+            if args.only in (None, "overhead"):
+                with httpx.Client(base_url=url, timeout=600) as http:
+                    results["overhead"] = bench_overhead(args, http)
+                print("1. serving overhead:", json.dumps(results["overhead"]), flush=True)
+            if args.only in (None, "batching"):
+                results["batching"] = bench_batching(args, url)
+                print("2. dynamic batching:", json.dumps(results["batching"]), flush=True)
+        finally:
+            stop()
+    if args.only in (None, "step_cache"):
+        results["step_cache"] = bench_step_cache(args)
+        print("3. step cache:", json.dumps(results["step_cache"]), flush=True)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
