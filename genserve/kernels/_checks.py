@@ -76,3 +76,8 @@ def check_launchable(device: torch.device) -> None:
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+def prev_pow2(n: int) -> int:
+    """Largest power of two <= max(n, 1) (block sizes must be powers of two)."""
+    return 1 << (max(int(n), 1).bit_length() - 1)

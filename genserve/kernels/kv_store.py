@@ -17,6 +17,7 @@ from genserve.kernels._checks import (
     check_shape,
     check_tensor,
     next_pow2,
+    prev_pow2,
 )
 
 
@@ -90,7 +91,7 @@ def store_kv(
     per_token = block_h * next_pow2(max(head_dim, head_dim_v))
     # GPU: ~4k elements per program; interpreter: as few programs as possible.
     budget = 4096 if device.type == "cuda" else 1 << 16
-    block_t = min(next_pow2(num_tokens), max(1, budget // per_token))
+    block_t = min(next_pow2(num_tokens), prev_pow2(budget // per_token))
     _kv_store_kernel[(triton.cdiv(num_tokens, block_t),)](
         k, v, k_buffer, v_buffer, loc, num_tokens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -17,6 +17,7 @@ from genserve.kernels._checks import (
     check_shape,
     check_tensor,
     next_pow2,
+    prev_pow2,
 )
 
 MAX_HIDDEN = 1 << 16  # one program holds a whole row in registers
@@ -73,7 +74,7 @@ def rms_norm(
         block_h = next_pow2(hidden)
         # GPU: a few rows per program for small hidden sizes; interpreter: big blocks.
         budget = 4096 if device.type == "cuda" else 1 << 16
-        block_t = min(next_pow2(num_rows), max(1, budget // block_h))
+        block_t = min(next_pow2(num_rows), prev_pow2(budget // block_h))
         res = residual if residual is not None else x
         _rms_norm_kernel[(triton.cdiv(num_rows, block_t),)](
             x, res, weight, out, new_residual, num_rows, hidden, eps,

@@ -20,6 +20,7 @@ from genserve.kernels._checks import (
     check_shape,
     check_tensor,
     next_pow2,
+    prev_pow2,
 )
 
 
@@ -104,7 +105,7 @@ def apply_rotary(
     block_half = next_pow2(half)
     per_token = (next_pow2(num_q_heads) + next_pow2(num_k_heads)) * block_half
     budget = 2048 if device.type == "cuda" else 1 << 16
-    block_t = min(next_pow2(num_tokens), max(1, budget // per_token))
+    block_t = min(next_pow2(num_tokens), prev_pow2(budget // per_token))
     _rotary_kernel[(triton.cdiv(num_tokens, block_t),)](
         q, k, q_out, k_out, positions, cos_sin_cache, num_tokens, num_q_heads, num_k_heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
