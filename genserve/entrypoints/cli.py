@@ -103,10 +103,12 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="Run a benchmark.")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
-    from genserve.bench.serving import add_arguments
+    from genserve.bench import http_vs_offline, serving
 
-    add_arguments(bench_sub.add_parser(
+    serving.add_arguments(bench_sub.add_parser(
         "serving", help="Load-test a running server (genserve, SGLang, llama.cpp, vLLM...)."))
+    http_vs_offline.add_arguments(bench_sub.add_parser(
+        "http-vs-offline", help="Throughput kept by the HTTP path vs the offline Engine."))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,6 +133,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from genserve.entrypoints.offline import run_generate
 
             return run_generate(args)
+        if args.bench_command == "http-vs-offline":
+            from genserve.bench.http_vs_offline import run_from_args as run_comparison
+
+            return run_comparison(args)
         from genserve.bench.serving import run_from_args
 
         return run_from_args(args)

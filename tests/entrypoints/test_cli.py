@@ -57,3 +57,11 @@ def test_generate_routes_to_text_or_diffusion():
     assert is_diffusion_request(parse(["generate", "--prompt", "a", "--model", "tiny-wan"]))
     assert is_diffusion_request(parse(["generate", "--prompt", "a", "--task", "text-to-video"]))
     assert main(["generate", "--prompt", "a", "--model", "tiny-flux"]) == 2  # no --output
+
+
+def test_bench_subcommands_parse():
+    args = build_parser().parse_args(["bench", "serving", "--dataset", "generated-shared-prefix",
+                                      "--backend", "openai-chat", "--max-concurrency", "16"])
+    assert (args.bench_command, args.gsp_num_groups, args.max_concurrency) == ("serving", 8, 16)
+    args = build_parser().parse_args(["bench", "http-vs-offline", "--groups", "2"])
+    assert (args.bench_command, args.groups, args.system_len) == ("http-vs-offline", 2, 512)

@@ -1,0 +1,127 @@
+"""How much throughput the HTTP path keeps: the same shared-prefix workload through the offline
+`Engine` (one process, no HTTP) and through `genserve serve`'s stack (gateway + AsyncEngine with
+its scheduler process, streaming SSE), measured in one run.
+
+    genserve bench http-vs-offline                       # 8 groups x 8, 512 + 32 tokens -> 32
+    genserve bench http-vs-offline --groups 2 --per-group 4 --system-len 64 --output-len 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+from typing import Any
+
+from genserve.bench.datasets import shared_prefix_dataset
+from genserve.bench.serving import BenchConfig, run_benchmark, to_prompt
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-path", default=None, help="Default: the embedded SmolLM2.")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--per-group", type=int, default=8)
+    p.add_argument("--system-len", type=int, default=512)
+    p.add_argument("--question-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="HTTP side (default: every request at once, like the offline batch).")
+    p.add_argument("--output-json", default=None)
+
+
+def _offline(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
+    from genserve.srt.engine import Engine
+    from genserve.srt.tokenizer_manager import tokenize_prompt
+
+    engine = Engine(args.model_path, dtype=args.dtype)
+    ids = [tokenize_prompt(engine.tokenizer, t) for t in texts]
+    params = {"max_new_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
+    engine.generate(input_ids=[ids[0][:8]], sampling_params={**params, "max_new_tokens": 2})
+    engine.flush_cache()
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=ids, sampling_params=params)
+    duration = time.perf_counter() - start
+    engine.shutdown()
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    return {"duration_s": duration, "request_throughput": len(outs) / duration,
+            "output_throughput": tokens / duration}
+
+
+class _GatewayThread:
+    """AsyncEngine + gateway + uvicorn on one event loop in a background thread."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.url = ""
+        self.error: BaseException | None = None
+        self._server: Any = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    async def _main(self) -> None:
+        import uvicorn
+
+        from genserve.entrypoints.app import create_app
+        from genserve.entrypoints.config import GatewayConfig
+        from genserve.srt.engine import AsyncEngine
+        from genserve.srt.server_args import EngineArgs
+
+        engine = None
+        try:
+            engine = AsyncEngine(EngineArgs(model_path=self.args.model_path,
+                                            dtype=self.args.dtype), log_level="warning")
+            self._server = uvicorn.Server(uvicorn.Config(
+                create_app(GatewayConfig(), [engine]), host="127.0.0.1", port=0,
+                log_level="warning", lifespan="off"))
+            self._server.install_signal_handlers = lambda: None
+            task = asyncio.create_task(self._server.serve())
+            while not self._server.started and not task.done():
+                await asyncio.sleep(0.02)
+            port = self._server.servers[0].sockets[0].getsockname()[1]
+            self.url = f"http://127.0.0.1:{port}"
+            self._ready.set()
+            await task
+        except BaseException as exc:
+            self.error = exc
+            self._ready.set()
+        finally:
+            if engine is not None:
+                await engine.shutdown()
+
+    def __enter__(self) -> _GatewayThread:
+        self._thread.start()
+        self._ready.wait()
+        if self.error is not None:
+            raise RuntimeError(f"gateway failed to start: {self.error!r}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(60)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    workload = shared_prefix_dataset(args.groups, args.per_group, args.system_len,
+                                     args.question_len, args.output_len, seed=0)
+    texts = [to_prompt(r).text for r in workload]
+    offline = _offline(args, texts)
+    with _GatewayThread(args) as gateway:
+        cfg = BenchConfig(backend="genserve", base_url=gateway.url, model=None, api_key=None,
+                          request_rate=float("inf"), max_concurrency=args.max_concurrency,
+                          warmup_requests=1, ignore_eos=True, extra={}, timeout=3600.0, seed=0)
+        http = asyncio.run(run_benchmark(cfg, workload))
+    result = {
+        "offline": offline,
+        "http": {k: http[k] for k in ("duration_s", "request_throughput", "output_throughput",
+                                      "median_ttft_ms", "cache_hit_ratio", "failed")},
+        "http_over_offline_output_throughput": http["output_throughput"]
+        / offline["output_throughput"],
+    }
+    print(json.dumps(result, indent=2))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if http["failed"] == 0 else 1
