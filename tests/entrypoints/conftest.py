@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 import uvicorn
-from gateway_fakes import FakeEngine
 
 from genserve.entrypoints.app import create_app
 from genserve.entrypoints.config import GatewayConfig
+from tests.entrypoints.gateway_fakes import FakeEngine
 
 
 @dataclass

@@ -6,11 +6,11 @@ import asyncio
 import json
 
 import pytest
-from gateway_fakes import FakeEngine
 
 from genserve.bench.datasets import random_dataset, shared_prefix_dataset
 from genserve.bench.serving import BenchConfig, build_workload, run_benchmark
 from genserve.entrypoints.cli import build_parser
+from tests.entrypoints.gateway_fakes import FakeEngine
 
 
 def _cfg(url: str, backend: str, **kw) -> BenchConfig:

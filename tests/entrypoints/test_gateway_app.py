@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi.testclient import TestClient
-from gateway_fakes import FakeEngine
 
 from genserve.entrypoints.app import create_app
 from genserve.entrypoints.config import GatewayConfig
+from tests.entrypoints.gateway_fakes import FakeEngine
 
 
 class _DiffusionStub:

@@ -6,7 +6,8 @@ import asyncio
 import time
 
 import httpx
-from gateway_fakes import FakeEngine
+
+from tests.entrypoints.gateway_fakes import FakeEngine
 
 
 def _wait_for(predicate, timeout: float = 5.0) -> bool:

@@ -8,7 +8,8 @@ import time
 import httpx
 import openai
 import pytest
-from gateway_fakes import FakeEngine
+
+from tests.entrypoints.gateway_fakes import FakeEngine
 
 CHAT = {"model": "fake-llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

@@ -7,7 +7,8 @@ import json
 import threading
 
 import httpx
-from gateway_fakes import FakeEngine
+
+from tests.entrypoints.gateway_fakes import FakeEngine
 
 
 def _sse_events(response: httpx.Response) -> list:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import openai
-from gateway_fakes import expected_text
+
+from tests.entrypoints.gateway_fakes import FakeEngine, expected_text
 
 
 def _client(server, **kw) -> openai.OpenAI:
@@ -116,7 +117,7 @@ def test_models_lists_llm(server):
 
 
 def test_chat_without_max_tokens_gets_what_fits(make_server):
-    from gateway_fakes import FakeEngine
+
 
     engine = FakeEngine(context_length=256)
     engine.max_total_tokens = 100  # the KV pool is smaller than the context
