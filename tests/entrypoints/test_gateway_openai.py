@@ -117,8 +117,6 @@ def test_models_lists_llm(server):
 
 
 def test_chat_without_max_tokens_gets_what_fits(make_server):
-
-
     engine = FakeEngine(context_length=256)
     engine.max_total_tokens = 100  # the KV pool is smaller than the context
     srv = make_server(engine)
