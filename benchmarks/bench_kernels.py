@@ -112,8 +112,14 @@ def bench_decode(args, device, dtype, on_gpu: bool) -> dict:
         "sdpa_with_gather": timed_ms(lambda: sdpa(*gather()), on_gpu),
     }
     return {
-        "shape": {"batch": b, "context": n, "num_heads": hq, "num_kv_heads": hkv, "head_dim": d,
-                  "num_kv_splits": splits},
+        "shape": {
+            "batch": b,
+            "context": n,
+            "num_heads": hq,
+            "num_kv_heads": hkv,
+            "head_dim": d,
+            "num_kv_splits": splits,
+        },
         "kv_bytes": kv_bytes,
         "max_abs_error_vs_sdpa": error,
         "ms": ms,
@@ -138,8 +144,7 @@ def bench_extend(args, device, dtype, on_gpu: bool, prefix: int) -> dict:
     scale = d**-0.5
 
     def triton_extend():
-        extend_attention_fwd(q, k, v, o, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, new,
-                             scale)
+        extend_attention_fwd(q, k, v, o, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, new, scale)
 
     # torch: gather the prefix, append the new K/V, SDPA with a bottom-right causal mask.
     cols = torch.arange(prefix + new, device=device)
@@ -149,8 +154,12 @@ def bench_extend(args, device, dtype, on_gpu: bool, prefix: int) -> dict:
         keys = torch.cat([k_buf[kv_indices], k]).transpose(0, 1).unsqueeze(0)
         values = torch.cat([v_buf[kv_indices], v]).transpose(0, 1).unsqueeze(0)
         out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), keys, values,
-            attn_mask=mask if prefix else None, is_causal=prefix == 0, scale=scale,
+            q.transpose(0, 1).unsqueeze(0),
+            keys,
+            values,
+            attn_mask=mask if prefix else None,
+            is_causal=prefix == 0,
+            scale=scale,
             enable_gqa=hq != hkv,
         )
         return out.squeeze(0).transpose(0, 1)
@@ -162,8 +171,13 @@ def bench_extend(args, device, dtype, on_gpu: bool, prefix: int) -> dict:
     flops = 4 * hq * d * pairs
     ms = {"triton": timed_ms(triton_extend, on_gpu), "sdpa_with_gather": timed_ms(sdpa, on_gpu)}
     return {
-        "shape": {"prefix": prefix, "new_tokens": new, "num_heads": hq, "num_kv_heads": hkv,
-                  "head_dim": d},
+        "shape": {
+            "prefix": prefix,
+            "new_tokens": new,
+            "num_heads": hq,
+            "num_kv_heads": hkv,
+            "head_dim": d,
+        },
         "flops": flops,
         "max_abs_error_vs_sdpa": error,
         "ms": ms,
@@ -173,19 +187,24 @@ def bench_extend(args, device, dtype, on_gpu: bool, prefix: int) -> dict:
 
 def print_table(result: dict) -> None:
     peak_bw, peak_tf = result["peak_gb_per_s"], result["peak_tflop_per_s"]
-    print(f"device: {result['device']}  dtype: {result['dtype']}  "
-          f"peak: {peak_bw or '?'} GB/s, {peak_tf or '?'} TFLOP/s")
+    print(
+        f"device: {result['device']}  dtype: {result['dtype']}  "
+        f"peak: {peak_bw or '?'} GB/s, {peak_tf or '?'} TFLOP/s"
+    )
     dec = result["decode"]
-    print(f"\ndecode attention {dec['shape']}  "
-          f"max |err| vs SDPA {dec['max_abs_error_vs_sdpa']:.2e}")
+    print(
+        f"\ndecode attention {dec['shape']}  max |err| vs SDPA {dec['max_abs_error_vs_sdpa']:.2e}"
+    )
     print(f"  {'impl':<18}{'ms':>10}{'GB/s':>10}{'% peak':>8}")
     for name, ms in dec["ms"].items():
         gbs = dec["gb_per_s"][name]
         pct = f"{100 * gbs / peak_bw:.0f}%" if peak_bw else "-"
         print(f"  {name:<18}{ms:>10.3f}{gbs:>10.0f}{pct:>8}")
     for ext in result["extend"]:
-        print(f"\nextend attention {ext['shape']}  "
-              f"max |err| vs SDPA {ext['max_abs_error_vs_sdpa']:.2e}")
+        print(
+            f"\nextend attention {ext['shape']}  "
+            f"max |err| vs SDPA {ext['max_abs_error_vs_sdpa']:.2e}"
+        )
         print(f"  {'impl':<18}{'ms':>10}{'TFLOP/s':>10}{'% peak':>8}")
         for name, ms in ext["ms"].items():
             tf = ext["tflop_per_s"][name]
@@ -200,8 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         if not args.smoke:
-            print("bench_kernels: no CUDA GPU found. The kernel benchmark needs a GPU; "
-                  "use --smoke for a tiny run under Triton's CPU interpreter.", file=sys.stderr)
+            print(
+                "bench_kernels: no CUDA GPU found. The kernel benchmark needs a GPU; "
+                "use --smoke for a tiny run under Triton's CPU interpreter.",
+                file=sys.stderr,
+            )
             return 2
         knobs = getattr(triton, "knobs", None)
         if knobs is None or not knobs.runtime.interpret:

@@ -38,15 +38,36 @@ MIN_SPLIT_LEN = 256
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, K_buf, V_buf, kv_indptr, kv_indices, Part_O, Part_LSE,
+    Q,
+    K_buf,
+    V_buf,
+    kv_indptr,
+    kv_indices,
+    Part_O,
+    Part_LSE,
     qk_scale,  # sm_scale * log2(e): the kernel works in base 2
-    num_splits, min_split_len,
-    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_pob, stride_poh, stride_pos, stride_lb, stride_lh,
-    GROUP: tl.constexpr, HEADS_PER_PROG: tl.constexpr, BLOCK_H: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
+    num_splits,
+    min_split_len,
+    stride_qb,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    HEADS_PER_PROG: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
     head0 = tl.program_id(1) * HEADS_PER_PROG
@@ -72,7 +93,8 @@ def _decode_partial_kernel(
     # [BLOCK_H, BLOCK_D]
     q = tl.load(
         Q + b * stride_qb + (head0 + offs_h)[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :], other=0.0,
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
     )
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -84,7 +106,8 @@ def _decode_partial_kernel(
         # [BLOCK_D, BLOCK_N]: keys loaded transposed.
         k = tl.load(
             K_buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-            mask=mask_n[None, :] & mask_d[:, None], other=0.0,
+            mask=mask_n[None, :] & mask_d[:, None],
+            other=0.0,
         )
         if FP32_DOT:
             qk = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
@@ -98,7 +121,8 @@ def _decode_partial_kernel(
         # [BLOCK_N, BLOCK_DV]
         v = tl.load(
             V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
-            mask=mask_n[:, None] & mask_dv[None, :], other=0.0,
+            mask=mask_n[:, None] & mask_dv[None, :],
+            other=0.0,
         )
         if FP32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -112,18 +136,33 @@ def _decode_partial_kernel(
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     heads = head0 + offs_h
     tl.store(
-        Part_O + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos
+        Part_O
+        + b * stride_pob
+        + heads[:, None] * stride_poh
+        + split * stride_pos
         + offs_dv[None, :],
-        out, mask=mask_h[:, None] & mask_dv[None, :],
+        out,
+        mask=mask_h[:, None] & mask_dv[None, :],
     )
     tl.store(Part_LSE + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
 
 
 @triton.jit
 def _decode_merge_kernel(
-    Part_O, Part_LSE, Out, num_splits,
-    stride_pob, stride_poh, stride_pos, stride_lb, stride_lh, stride_ob, stride_oh,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    Part_O,
+    Part_LSE,
+    Out,
+    num_splits,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -131,20 +170,22 @@ def _decode_merge_kernel(
     mask_s = offs_s < num_splits
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < HEAD_DIM_V
-    lse = tl.load(Part_LSE + b * stride_lb + h * stride_lh + offs_s, mask=mask_s,
-                  other=float("-inf"))
+    lse = tl.load(
+        Part_LSE + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf")
+    )
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # an empty request has no keys: output zeros
     w = tl.where(mask_s, tl.exp2(lse - m), 0.0)
     part = tl.load(
-        Part_O + b * stride_pob + h * stride_poh + offs_s[:, None] * stride_pos
-        + offs_dv[None, :],
-        mask=mask_s[:, None] & mask_dv[None, :], other=0.0,
+        Part_O + b * stride_pob + h * stride_poh + offs_s[:, None] * stride_pos + offs_dv[None, :],
+        mask=mask_s[:, None] & mask_dv[None, :],
+        other=0.0,
     )
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty),
-             mask=mask_dv)
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=mask_dv
+    )
 
 
 def choose_num_kv_splits(
@@ -201,8 +242,10 @@ def decode_attention_fwd(
     if k_buffer.shape[2] != head_dim:
         raise ValueError(f"k_buffer head_dim {k_buffer.shape[2]} != q head_dim {head_dim}")
     if v_buffer.shape[:2] != k_buffer.shape[:2]:
-        raise ValueError(f"v_buffer shape {tuple(v_buffer.shape)} does not match k_buffer "
-                         f"{tuple(k_buffer.shape)} in slots/heads")
+        raise ValueError(
+            f"v_buffer shape {tuple(v_buffer.shape)} does not match k_buffer "
+            f"{tuple(k_buffer.shape)} in slots/heads"
+        )
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     check_shape("o", o, (batch, num_heads, head_dim_v))
@@ -226,25 +269,53 @@ def decode_attention_fwd(
     on_gpu = device.type == "cuda"
     grid = (batch, num_heads // heads_per_prog, num_kv_splits)
     _decode_partial_kernel[grid](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, part_o, part_lse,
-        sm_scale * LOG2E, num_kv_splits, MIN_SPLIT_LEN if on_gpu else 1,
-        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1),
-        part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, HEADS_PER_PROG=heads_per_prog, BLOCK_H=max(16, next_pow2(heads_per_prog)),
-        HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=next_pow2(head_dim_v),
+        q,
+        k_buffer,
+        v_buffer,
+        kv_indptr,
+        kv_indices,
+        part_o,
+        part_lse,
+        sm_scale * LOG2E,
+        num_kv_splits,
+        MIN_SPLIT_LEN if on_gpu else 1,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        part_o.stride(0),
+        part_o.stride(1),
+        part_o.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        GROUP=group,
+        HEADS_PER_PROG=heads_per_prog,
+        BLOCK_H=max(16, next_pow2(heads_per_prog)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=next_pow2(head_dim),
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_DV=next_pow2(head_dim_v),
         # fp32 tiles are twice the bytes: halve them to stay within shared memory.
         BLOCK_N=(32 if q.dtype == torch.float32 else 64) if on_gpu else 32,
         FP32_DOT=use_fp32_dot(q.dtype),
         **({"num_warps": 4, "num_stages": 2} if on_gpu else {}),
     )
     _decode_merge_kernel[(batch, num_heads)](
-        part_o, part_lse, o, num_kv_splits,
-        part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1), o.stride(0), o.stride(1),
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=next_pow2(head_dim_v),
+        part_o,
+        part_lse,
+        o,
+        num_kv_splits,
+        part_o.stride(0),
+        part_o.stride(1),
+        part_o.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        o.stride(0),
+        o.stride(1),
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_DV=next_pow2(head_dim_v),
         BLOCK_S=next_pow2(num_kv_splits),
     )
     return o

@@ -53,13 +53,36 @@ def _attend_block(q, k, v, mask, m_i, l_i, acc, qk_scale, FP32_DOT: tl.constexpr
 
 @triton.jit
 def _extend_kernel(
-    Q, K_ext, V_ext, Out, K_buf, V_buf, qo_indptr, kv_indptr, kv_indices,
+    Q,
+    K_ext,
+    V_ext,
+    Out,
+    K_buf,
+    V_buf,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
     qk_scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_kbt, stride_kbh, stride_vbt, stride_vbh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_kbt,
+    stride_kbh,
+    stride_vbt,
+    stride_vbh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -79,8 +102,11 @@ def _extend_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < HEAD_DIM_V
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q = tl.load(
+        Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -90,12 +116,17 @@ def _extend_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < prefix_len
         slots = tl.load(kv_indices + prefix_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(K_buf + slots[None, :] * stride_kbt + kv_head * stride_kbh + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-        v = tl.load(V_buf + slots[:, None] * stride_vbt + kv_head * stride_vbh
-                    + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
-        m_i, l_i, acc = _attend_block(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale,
-                                      FP32_DOT)
+        k = tl.load(
+            K_buf + slots[None, :] * stride_kbt + kv_head * stride_kbh + offs_d[:, None],
+            mask=mask_n[None, :] & mask_d[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            V_buf + slots[:, None] * stride_vbt + kv_head * stride_vbh + offs_dv[None, :],
+            mask=mask_n[:, None] & mask_dv[None, :],
+            other=0.0,
+        )
+        m_i, l_i, acc = _attend_block(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, FP32_DOT)
 
     # 2) the new tokens, causally: block columns up to the last row of this block.
     ext_end = tl.minimum((m_block + 1) * BLOCK_M, ext_len)
@@ -103,16 +134,25 @@ def _extend_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < ext_end
         cols = (q_start + offs_n).to(tl.int64)
-        k = tl.load(K_ext + cols[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-        v = tl.load(V_ext + cols[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
-                    mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+        k = tl.load(
+            K_ext + cols[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+            mask=mask_n[None, :] & mask_d[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            V_ext + cols[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
+            mask=mask_n[:, None] & mask_dv[None, :],
+            other=0.0,
+        )
         causal = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
         m_i, l_i, acc = _attend_block(q, k, v, causal, m_i, l_i, acc, qk_scale, FP32_DOT)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
-             out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
+    tl.store(
+        Out + rows[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=mask_m[:, None] & mask_dv[None, :],
+    )
 
 
 def _block_sizes(device: torch.device, head_dim: int, dtype: torch.dtype):
@@ -145,11 +185,15 @@ def extend_attention_fwd(
     check_tensor("q_extend", q_extend, 3, FLOAT_DTYPES)
     device = q_extend.device
     check_launchable(device)
-    for name, t in (("k_extend", k_extend), ("v_extend", v_extend), ("o_extend", o_extend),
-                    ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+    for name, t in (
+        ("k_extend", k_extend),
+        ("v_extend", v_extend),
+        ("o_extend", o_extend),
+        ("k_buffer", k_buffer),
+        ("v_buffer", v_buffer),
+    ):
         check_tensor(name, t, 3, FLOAT_DTYPES, device)
-    for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
-                    ("kv_indices", kv_indices)):
+    for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
         check_tensor(name, t, 1, INDEX_DTYPES, device)
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
@@ -176,14 +220,37 @@ def extend_attention_fwd(
     block_m, block_n, launch = _block_sizes(device, head_dim, q_extend.dtype)
     grid = (batch, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
-        q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
-        qo_indptr, kv_indptr, kv_indices, sm_scale * LOG2E,
-        q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
-        v_extend.stride(0), v_extend.stride(1), o_extend.stride(0), o_extend.stride(1),
-        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=next_pow2(head_dim_v),
-        BLOCK_M=block_m, BLOCK_N=block_n, FP32_DOT=use_fp32_dot(q_extend.dtype), **launch,
+        q_extend,
+        k_extend,
+        v_extend,
+        o_extend,
+        k_buffer,
+        v_buffer,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        sm_scale * LOG2E,
+        q_extend.stride(0),
+        q_extend.stride(1),
+        k_extend.stride(0),
+        k_extend.stride(1),
+        v_extend.stride(0),
+        v_extend.stride(1),
+        o_extend.stride(0),
+        o_extend.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=next_pow2(head_dim),
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_DV=next_pow2(head_dim_v),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        FP32_DOT=use_fp32_dot(q_extend.dtype),
+        **launch,
     )
     return o_extend
 
@@ -202,8 +269,9 @@ def extend_attention_ref(
     """Pure-torch extend attention in fp32; returns [T, Hq, Dv] in q's dtype."""
     num_tokens, num_heads, _ = q_extend.shape
     group = num_heads // k_extend.shape[1]
-    out = torch.empty((num_tokens, num_heads, v_extend.shape[2]), dtype=q_extend.dtype,
-                      device=q_extend.device)
+    out = torch.empty(
+        (num_tokens, num_heads, v_extend.shape[2]), dtype=q_extend.dtype, device=q_extend.device
+    )
     qo, kv = qo_indptr.tolist(), kv_indptr.tolist()
     for b in range(len(qo) - 1):
         slots = kv_indices[kv[b] : kv[b + 1]].long()

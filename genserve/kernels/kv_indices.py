@@ -16,7 +16,12 @@ from genserve.kernels._checks import INDEX_DTYPES, check_launchable, check_tenso
 
 @triton.jit
 def _kv_indices_kernel(
-    req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_indices, stride_row,
+    req_to_token,
+    req_pool_indices,
+    kv_lens,
+    kv_indptr,
+    kv_indices,
+    stride_row,
     BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -53,8 +58,13 @@ def build_kv_indices(
     if batch > 0 and total_len > 0:
         block = 512 if device.type == "cuda" else 4096
         _kv_indices_kernel[(batch,)](
-            req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_indices,
-            req_to_token.stride(0), BLOCK=block,
+            req_to_token,
+            req_pool_indices,
+            kv_lens,
+            kv_indptr,
+            kv_indices,
+            req_to_token.stride(0),
+            BLOCK=block,
         )
     return kv_indptr, kv_indices
 

@@ -22,36 +22,103 @@ from genserve.kernels._checks import (
 
 
 @triton.jit
-def _copy_rows(Src, Dst, offs_t, slots, mask_t, stride_st, stride_sh, stride_dt, stride_dh,
-               NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr):
+def _copy_rows(
+    Src,
+    Dst,
+    offs_t,
+    slots,
+    mask_t,
+    stride_st,
+    stride_sh,
+    stride_dt,
+    stride_dh,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     # [BLOCK_T, BLOCK_H, BLOCK_D]
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (mask_t[:, None, None] & (offs_h < NUM_HEADS)[None, :, None]
-            & (offs_d < HEAD_DIM)[None, None, :])
-    x = tl.load(Src + offs_t[:, None, None] * stride_st + offs_h[None, :, None] * stride_sh
-                + offs_d[None, None, :], mask=mask)
-    tl.store(Dst + slots[:, None, None] * stride_dt + offs_h[None, :, None] * stride_dh
-             + offs_d[None, None, :], x.to(Dst.dtype.element_ty), mask=mask)
+    mask = (
+        mask_t[:, None, None]
+        & (offs_h < NUM_HEADS)[None, :, None]
+        & (offs_d < HEAD_DIM)[None, None, :]
+    )
+    x = tl.load(
+        Src
+        + offs_t[:, None, None] * stride_st
+        + offs_h[None, :, None] * stride_sh
+        + offs_d[None, None, :],
+        mask=mask,
+    )
+    tl.store(
+        Dst
+        + slots[:, None, None] * stride_dt
+        + offs_h[None, :, None] * stride_dh
+        + offs_d[None, None, :],
+        x.to(Dst.dtype.element_ty),
+        mask=mask,
+    )
 
 
 @triton.jit
 def _kv_store_kernel(
-    K, V, K_buf, V_buf, Loc, num_tokens,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kbt, stride_kbh, stride_vbt, stride_vbh,
-    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
+    K,
+    V,
+    K_buf,
+    V_buf,
+    Loc,
+    num_tokens,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kbt,
+    stride_kbh,
+    stride_vbt,
+    stride_vbh,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     mask_t = offs_t < num_tokens
     slots = tl.load(Loc + offs_t, mask=mask_t, other=0).to(tl.int64)
-    _copy_rows(K, K_buf, offs_t, slots, mask_t, stride_kt, stride_kh, stride_kbt, stride_kbh,
-               NUM_HEADS, BLOCK_H, HEAD_DIM, BLOCK_D)
-    _copy_rows(V, V_buf, offs_t, slots, mask_t, stride_vt, stride_vh, stride_vbt, stride_vbh,
-               NUM_HEADS, BLOCK_H, HEAD_DIM_V, BLOCK_DV)
+    _copy_rows(
+        K,
+        K_buf,
+        offs_t,
+        slots,
+        mask_t,
+        stride_kt,
+        stride_kh,
+        stride_kbt,
+        stride_kbh,
+        NUM_HEADS,
+        BLOCK_H,
+        HEAD_DIM,
+        BLOCK_D,
+    )
+    _copy_rows(
+        V,
+        V_buf,
+        offs_t,
+        slots,
+        mask_t,
+        stride_vt,
+        stride_vh,
+        stride_vbt,
+        stride_vbh,
+        NUM_HEADS,
+        BLOCK_H,
+        HEAD_DIM_V,
+        BLOCK_DV,
+    )
 
 
 def store_kv(
@@ -93,16 +160,35 @@ def store_kv(
     budget = 4096 if device.type == "cuda" else 1 << 16
     block_t = min(next_pow2(num_tokens), prev_pow2(budget // per_token))
     _kv_store_kernel[(triton.cdiv(num_tokens, block_t),)](
-        k, v, k_buffer, v_buffer, loc, num_tokens,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        NUM_HEADS=num_heads, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=next_pow2(head_dim_v), BLOCK_T=block_t,
+        k,
+        v,
+        k_buffer,
+        v_buffer,
+        loc,
+        num_tokens,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        NUM_HEADS=num_heads,
+        BLOCK_H=block_h,
+        HEAD_DIM=head_dim,
+        BLOCK_D=next_pow2(head_dim),
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_DV=next_pow2(head_dim_v),
+        BLOCK_T=block_t,
     )
 
 
 def store_kv_ref(
-    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
     k_buffer[loc.long()] = k.to(k_buffer.dtype)

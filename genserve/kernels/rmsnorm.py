@@ -25,9 +25,21 @@ MAX_HIDDEN = 1 << 16  # one program holds a whole row in registers
 
 @triton.jit
 def _rms_norm_kernel(
-    X, Res, W, Out, ResOut, num_rows, hidden, eps,
-    stride_x, stride_r, stride_o, stride_ro,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    X,
+    Res,
+    W,
+    Out,
+    ResOut,
+    num_rows,
+    hidden,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
@@ -41,8 +53,11 @@ def _rms_norm_kernel(
     inv_rms = tl.rsqrt(tl.sum(xf * xf, 1) / hidden + eps)  # [BLOCK_T]
     normed = (xf * inv_rms[:, None]).to(X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=cols < hidden, other=0.0).to(tl.float32)
-    tl.store(Out + rows[:, None] * stride_o + cols[None, :],
-             (normed * w[None, :]).to(Out.dtype.element_ty), mask=mask)
+    tl.store(
+        Out + rows[:, None] * stride_o + cols[None, :],
+        (normed * w[None, :]).to(Out.dtype.element_ty),
+        mask=mask,
+    )
 
 
 def rms_norm(
@@ -77,9 +92,21 @@ def rms_norm(
         block_t = min(next_pow2(num_rows), prev_pow2(budget // block_h))
         res = residual if residual is not None else x
         _rms_norm_kernel[(triton.cdiv(num_rows, block_t),)](
-            x, res, weight, out, new_residual, num_rows, hidden, eps,
-            x.stride(0), res.stride(0), out.stride(0), new_residual.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK_T=block_t, BLOCK_H=block_h,
+            x,
+            res,
+            weight,
+            out,
+            new_residual,
+            num_rows,
+            hidden,
+            eps,
+            x.stride(0),
+            res.stride(0),
+            out.stride(0),
+            new_residual.stride(0),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK_T=block_t,
+            BLOCK_H=block_h,
             **({"num_warps": min(max(block_h // 256, 1), 16)} if device.type == "cuda" else {}),
         )
     return out if residual is None else (out, new_residual)

@@ -25,14 +25,29 @@ from genserve.kernels._checks import (
 
 
 @triton.jit
-def _rotate_heads(Src, Dst, offs_t, mask_t, cos, sin, stride_st, stride_sh, stride_dt,
-                  stride_dh, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+def _rotate_heads(
+    Src,
+    Dst,
+    offs_t,
+    mask_t,
+    cos,
+    sin,
+    stride_st,
+    stride_sh,
+    stride_dt,
+    stride_dh,
+    num_heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
     # Blocks are [BLOCK_T, BLOCK_H, BLOCK_HALF]; cos/sin are [BLOCK_T, 1, BLOCK_HALF].
     offs_h = tl.arange(0, BLOCK_H)
     offs_i = tl.arange(0, BLOCK_HALF)
-    mask = (mask_t[:, None, None] & (offs_h < num_heads)[None, :, None]
-            & (offs_i < HALF)[None, None, :])
+    mask = (
+        mask_t[:, None, None] & (offs_h < num_heads)[None, :, None] & (offs_i < HALF)[None, None, :]
+    )
     if IS_NEOX:
         first = offs_i
         second = offs_i + HALF
@@ -44,17 +59,35 @@ def _rotate_heads(Src, Dst, offs_t, mask_t, cos, sin, stride_st, stride_sh, stri
     a = tl.load(src + first[None, None, :], mask=mask, other=0.0).to(tl.float32)
     b = tl.load(src + second[None, None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(dst + first[None, None, :], (a * cos - b * sin).to(Dst.dtype.element_ty), mask=mask)
-    tl.store(dst + second[None, None, :], (b * cos + a * sin).to(Dst.dtype.element_ty),
-             mask=mask)
+    tl.store(dst + second[None, None, :], (b * cos + a * sin).to(Dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(
-    Q, K, QOut, KOut, Positions, CosSin, num_tokens, num_q_heads, num_k_heads,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
+    Q,
+    K,
+    QOut,
+    KOut,
+    Positions,
+    CosSin,
+    num_tokens,
+    num_q_heads,
+    num_k_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
     stride_cache,
-    HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    IS_NEOX: tl.constexpr,
 ):
     offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     mask_t = offs_t < num_tokens
@@ -64,10 +97,40 @@ def _rotary_kernel(
     cache = CosSin + pos[:, None] * stride_cache + offs_i[None, :]
     cos = tl.load(cache, mask=mask_c, other=0.0).to(tl.float32)[:, None, :]
     sin = tl.load(cache + HALF, mask=mask_c, other=0.0).to(tl.float32)[:, None, :]
-    _rotate_heads(Q, QOut, offs_t, mask_t, cos, sin, stride_qt, stride_qh, stride_qot,
-                  stride_qoh, num_q_heads, HALF, BLOCK_HQ, BLOCK_HALF, IS_NEOX)
-    _rotate_heads(K, KOut, offs_t, mask_t, cos, sin, stride_kt, stride_kh, stride_kot,
-                  stride_koh, num_k_heads, HALF, BLOCK_HK, BLOCK_HALF, IS_NEOX)
+    _rotate_heads(
+        Q,
+        QOut,
+        offs_t,
+        mask_t,
+        cos,
+        sin,
+        stride_qt,
+        stride_qh,
+        stride_qot,
+        stride_qoh,
+        num_q_heads,
+        HALF,
+        BLOCK_HQ,
+        BLOCK_HALF,
+        IS_NEOX,
+    )
+    _rotate_heads(
+        K,
+        KOut,
+        offs_t,
+        mask_t,
+        cos,
+        sin,
+        stride_kt,
+        stride_kh,
+        stride_kot,
+        stride_koh,
+        num_k_heads,
+        HALF,
+        BLOCK_HK,
+        BLOCK_HALF,
+        IS_NEOX,
+    )
 
 
 def apply_rotary(
@@ -107,12 +170,30 @@ def apply_rotary(
     budget = 2048 if device.type == "cuda" else 1 << 16
     block_t = min(next_pow2(num_tokens), prev_pow2(budget // per_token))
     _rotary_kernel[(triton.cdiv(num_tokens, block_t),)](
-        q, k, q_out, k_out, positions, cos_sin_cache, num_tokens, num_q_heads, num_k_heads,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        q,
+        k,
+        q_out,
+        k_out,
+        positions,
+        cos_sin_cache,
+        num_tokens,
+        num_q_heads,
+        num_k_heads,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
         cos_sin_cache.stride(0),
-        HALF=half, BLOCK_T=block_t, BLOCK_HQ=next_pow2(num_q_heads),
-        BLOCK_HK=next_pow2(num_k_heads), BLOCK_HALF=block_half, IS_NEOX=is_neox,
+        HALF=half,
+        BLOCK_T=block_t,
+        BLOCK_HQ=next_pow2(num_q_heads),
+        BLOCK_HK=next_pow2(num_k_heads),
+        BLOCK_HALF=block_half,
+        IS_NEOX=is_neox,
     )
     return q_out, k_out
 

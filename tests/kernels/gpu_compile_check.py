@@ -24,8 +24,13 @@ from triton.runtime.jit import JITFunction
 
 TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED_BYTES = 227 * 1024  # H100/H200 per-block limit
-SIG_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-             torch.int64: "i64", torch.int32: "i32"}
+SIG_TYPES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+}
 failures: list[str] = []
 compiled: list[str] = []
 
@@ -49,8 +54,9 @@ def compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
             signature[name] = "fp32"
     label = f"{self.__name__} {constexprs} {options}"
     try:
-        kernel = triton.compile(ASTSource(self, signature, constexprs), target=TARGET,
-                                options=options)
+        kernel = triton.compile(
+            ASTSource(self, signature, constexprs), target=TARGET, options=options
+        )
     except Exception as e:  # report every failing launch, not just the first
         failures.append(f"{label}: {type(e).__name__}: {e}")
         return
@@ -99,11 +105,22 @@ def main() -> int:
         k_buf = torch.randn(slots, hkv, d, dtype=dtype)
         indptr = torch.tensor([0, 20, 40])
         indices = torch.arange(40)
-        decode_attention.decode_attention_fwd(q[:2], k_buf, k_buf, torch.empty_like(q[:2]),
-                                              indptr, indices, 0.1, 4)
-        extend_attention.extend_attention_fwd(q, k, k, torch.empty_like(q), k_buf, k_buf,
-                                              indptr, torch.tensor([0, 5, 10]), indices[:10],
-                                              20, 0.1)
+        decode_attention.decode_attention_fwd(
+            q[:2], k_buf, k_buf, torch.empty_like(q[:2]), indptr, indices, 0.1, 4
+        )
+        extend_attention.extend_attention_fwd(
+            q,
+            k,
+            k,
+            torch.empty_like(q),
+            k_buf,
+            k_buf,
+            indptr,
+            torch.tensor([0, 5, 10]),
+            indices[:10],
+            20,
+            0.1,
+        )
         kv_store.store_kv(k_buf, k_buf, torch.arange(t), k, k)
         rotary.apply_rotary(q, k, torch.arange(t), torch.randn(50, d), True)
         rotary.apply_rotary(q, k, torch.arange(t), torch.randn(50, d), False)
@@ -111,8 +128,9 @@ def main() -> int:
         rotary.apply_rotary(q[:, :4], k[:, :1], torch.arange(t), torch.randn(50, d), True)
         x = torch.randn(8, hq * d, dtype=dtype)
         rmsnorm.rms_norm(x, torch.randn(hq * d, dtype=dtype), 1e-6, x)
-    kv_indices.build_kv_indices(torch.zeros(4, 64, dtype=torch.int64), torch.arange(2),
-                                torch.tensor([3, 4]), 7)
+    kv_indices.build_kv_indices(
+        torch.zeros(4, 64, dtype=torch.int64), torch.arange(2), torch.tensor([3, 4]), 7
+    )
     for line in failures:
         print(line)
     print(f"{len(compiled)} launches compiled for sm_90, {len(failures)} failed")

@@ -90,7 +90,8 @@ def test_wrapper_rejects_bad_arguments():
     with pytest.raises(ValueError, match="dtype"):
         decode_attention_fwd(q, k_buf, v_buf, o, indptr, indices.float(), 0.1)
     with pytest.raises(ValueError, match="contiguous"):
-        decode_attention_fwd(q, k_buf.transpose(1, 2).contiguous().transpose(1, 2), v_buf, o,
-                             indptr, indices, 0.1)
+        decode_attention_fwd(
+            q, k_buf.transpose(1, 2).contiguous().transpose(1, 2), v_buf, o, indptr, indices, 0.1
+        )
     with pytest.raises(ValueError, match="kv_indptr"):
         decode_attention_fwd(q, k_buf, v_buf, o, indptr[:1], indices, 0.1)

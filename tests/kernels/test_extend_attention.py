@@ -41,8 +41,9 @@ def _run(reqs, heads, head_dim, dtype, seed=0, qkv=None):
         q, k, v = qkv
     o = torch.full((t, hq, head_dim), float("nan"), dtype=dtype, device=DEVICE)
     scale = head_dim**-0.5
-    extend_attention_fwd(q, k, v, o, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices,
-                         max(extend), scale)
+    extend_attention_fwd(
+        q, k, v, o, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, max(extend), scale
+    )
     ref = extend_attention_ref(q, k, v, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, scale)
     return o, ref
 

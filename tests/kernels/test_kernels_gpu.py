@@ -60,8 +60,9 @@ def test_extend_real_sizes(heads, head_dim, dtype):
     v = randn(t, hkv, head_dim, dtype=dtype, seed=3)
     o = torch.empty_like(q)
     scale = head_dim**-0.5
-    extend_attention_fwd(q, k, v, o, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices,
-                         max(extend), scale)
+    extend_attention_fwd(
+        q, k, v, o, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, max(extend), scale
+    )
     ref = extend_attention_ref(q, k, v, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, scale)
     assert_close(o, ref, ATTN_TOL[dtype])
 

@@ -14,7 +14,7 @@ from genserve.kernels.kv_store import store_kv, store_kv_ref
 def test_store_matches_reference(num_tokens, hkv, head_dim, dtype):
     k_buf, v_buf = kv_pool(100, hkv, head_dim, dtype)
     k_ref, v_ref = k_buf.clone(), v_buf.clone()
-    loc = (torch.randperm(99, generator=torch.Generator().manual_seed(0))[:num_tokens] + 1)
+    loc = torch.randperm(99, generator=torch.Generator().manual_seed(0))[:num_tokens] + 1
     loc = loc.to(DEVICE)
     k = randn(num_tokens, hkv, head_dim, dtype=dtype, seed=1)
     v = randn(num_tokens, hkv, head_dim, dtype=dtype, seed=2)

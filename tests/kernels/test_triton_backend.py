@@ -23,13 +23,21 @@ def _batch(mode, rows, prefix, extend, out_cache_loc, pools, backend):
     starts = [sum(extend[:i]) for i in range(len(extend))]
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=DEVICE)
     return ForwardBatch(
-        mode=mode, batch_size=len(rows), input_ids=torch.zeros(sum(extend), dtype=torch.int64,
-                                                               device=DEVICE),
-        positions=as_tensor(positions), out_cache_loc=out_cache_loc,
-        req_pool_indices=as_tensor(rows), seq_lens=as_tensor(seq),
-        extend_prefix_lens=as_tensor(prefix), extend_seq_lens=as_tensor(extend),
-        extend_start_loc=as_tensor(starts), seq_lens_cpu=seq, extend_prefix_lens_cpu=prefix,
-        extend_seq_lens_cpu=extend, req_to_token_pool=req_pool, token_to_kv_pool=kv_pool,
+        mode=mode,
+        batch_size=len(rows),
+        input_ids=torch.zeros(sum(extend), dtype=torch.int64, device=DEVICE),
+        positions=as_tensor(positions),
+        out_cache_loc=out_cache_loc,
+        req_pool_indices=as_tensor(rows),
+        seq_lens=as_tensor(seq),
+        extend_prefix_lens=as_tensor(prefix),
+        extend_seq_lens=as_tensor(extend),
+        extend_start_loc=as_tensor(starts),
+        seq_lens_cpu=seq,
+        extend_prefix_lens_cpu=prefix,
+        extend_seq_lens_cpu=extend,
+        req_to_token_pool=req_pool,
+        token_to_kv_pool=kv_pool,
         attn_backend=backend,
     )
 

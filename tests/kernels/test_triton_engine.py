@@ -79,14 +79,21 @@ def test_triton_backend_generates_the_same_greedy_tokens_as_torch(tiny_llama, mo
 
     expected, _ = _generate_all(tiny_llama, "torch")
     counts: dict[str, int] = {}
-    for module, name in ((triton_backend, "decode_attention_fwd"),
-                         (triton_backend, "extend_attention_fwd"),
-                         (rmsnorm, "rms_norm"), (rotary, "apply_rotary")):
+    for module, name in (
+        (triton_backend, "decode_attention_fwd"),
+        (triton_backend, "extend_attention_fwd"),
+        (rmsnorm, "rms_norm"),
+        (rotary, "apply_rotary"),
+    ):
         _count_calls(monkeypatch, module, name, counts)
     actual, cached = _generate_all(tiny_llama, "triton")
     # The triton run really went through the kernels (every one of them).
-    assert set(counts) == {"decode_attention_fwd", "extend_attention_fwd", "rms_norm",
-                           "apply_rotary"}, counts
+    assert set(counts) == {
+        "decode_attention_fwd",
+        "extend_attention_fwd",
+        "rms_norm",
+        "apply_rotary",
+    }, counts
     assert [len(ids) for call in expected for ids in call] == [8, 8, 8]
     assert actual == expected
     # The follow-up prefilled on top of the first prompt's cached KV (extend with a prefix).

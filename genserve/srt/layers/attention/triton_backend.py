@@ -89,7 +89,9 @@ class TritonAttnBackend(AttentionBackend):
         if meta is None or meta.mode is not forward_batch.mode:
             raise RuntimeError("TritonAttnBackend.forward called before init_forward_metadata")
         if (layer.num_heads, layer.num_kv_heads, layer.head_dim) != (
-            self.num_heads, self.num_kv_heads, self.head_dim
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
         ):
             raise ValueError(
                 f"layer {layer.layer_id} has heads/kv_heads/head_dim "
@@ -104,13 +106,28 @@ class TritonAttnBackend(AttentionBackend):
         out = torch.empty(q.shape[:2] + (v.shape[2],), dtype=q.dtype, device=q.device)
         if meta.mode is ForwardMode.DECODE:
             decode_attention_fwd(
-                q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, layer.scaling,
+                q,
+                k_buf,
+                v_buf,
+                out,
+                meta.kv_indptr,
+                meta.kv_indices,
+                layer.scaling,
                 meta.num_kv_splits,
             )
         else:
             assert meta.qo_indptr is not None  # set for every EXTEND batch
             extend_attention_fwd(
-                q, k, v, out, k_buf, v_buf, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
-                meta.max_extend_len, layer.scaling,
+                q,
+                k,
+                v,
+                out,
+                k_buf,
+                v_buf,
+                meta.qo_indptr,
+                meta.kv_indptr,
+                meta.kv_indices,
+                meta.max_extend_len,
+                layer.scaling,
             )
         return out
