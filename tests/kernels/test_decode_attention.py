@@ -95,3 +95,14 @@ def test_wrapper_rejects_bad_arguments():
         )
     with pytest.raises(ValueError, match="kv_indptr"):
         decode_attention_fwd(q, k_buf, v_buf, o, indptr[:1], indices, 0.1)
+
+
+def test_tensor_core_path(monkeypatch):
+    # On the GPU, bf16/fp16 run tl.dot on 16-bit operands (probabilities rounded to 16 bits);
+    # the interpreter normally upcasts (its bf16 dot is broken), so force the GPU path in fp16,
+    # whose dot the interpreter computes correctly.
+    import genserve.kernels.decode_attention as decode_attention
+
+    monkeypatch.setattr(decode_attention, "use_fp32_dot", lambda dtype: False)
+    o, ref = _run(LENS, (9, 3), 80, torch.float16, splits=2)
+    assert_close(o, ref, ATTN_TOL[torch.float16])

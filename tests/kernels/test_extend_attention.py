@@ -104,3 +104,12 @@ def test_wrapper_rejects_bad_arguments():
         extend_attention_fwd(q, k, k, o, k_buf, v_buf, qo, kv, idx, 0, 0.1)
     with pytest.raises(ValueError, match="dtype"):
         extend_attention_fwd(q.int(), k, k, o, k_buf, v_buf, qo, kv, idx, 3, 0.1)
+
+
+def test_tensor_core_path(monkeypatch):
+    # The GPU's 16-bit tl.dot path (see test_decode_attention.test_tensor_core_path), in fp16.
+    import genserve.kernels.extend_attention as extend_attention
+
+    monkeypatch.setattr(extend_attention, "use_fp32_dot", lambda dtype: False)
+    o, ref = _run(MIXED, (9, 3), 80, torch.float16)
+    assert_close(o, ref, ATTN_TOL[torch.float16])
