@@ -12,7 +12,8 @@ import threading
 
 import torch
 
-EMBEDDED_NAMES = ("tiny-flux", "tiny-wan")
+# tiny-flux and tiny-wan are served by default; the others exist to exercise their families.
+EMBEDDED_NAMES = ("tiny-flux", "tiny-wan", "tiny-sd3", "tiny-sd", "tiny-ltx")
 _VOCAB_WORDS = (
     "a an the of and with in on at to red green blue yellow white black orange purple cat dog "
     "bird car tree house sky sea sun moon city forest mountain river flower portrait photo "
@@ -52,8 +53,8 @@ def _vocab_size() -> int:
     return len(_VOCAB_WORDS) + 4
 
 
-def _tiny_clip_encoder(hidden: int):
-    from transformers import CLIPTextConfig, CLIPTextModel
+def _tiny_clip_encoder(hidden: int, with_projection: bool = False):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     config = CLIPTextConfig(
         vocab_size=_vocab_size(),
@@ -67,7 +68,8 @@ def _tiny_clip_encoder(hidden: int):
         eos_token_id=1,
         pad_token_id=0,
     )
-    return CLIPTextModel(config).eval()
+    cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
+    return cls(config).eval()
 
 
 def _tiny_t5_encoder(hidden: int, umt5: bool = False):
@@ -177,7 +179,97 @@ def build_tiny_wan():
     )
 
 
-_BUILDERS = {"tiny-flux": build_tiny_flux, "tiny-wan": build_tiny_wan}
+def _tiny_image_vae(latent_channels: int = 4, **kwargs):
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1, latent_channels=latent_channels, norm_num_groups=4, sample_size=32,
+        **kwargs,
+    )
+
+
+def build_tiny_sd3():
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+
+    transformer = SD3Transformer2DModel(
+        sample_size=32, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32,
+        pooled_projection_dim=64, out_channels=4,
+    )
+    return StableDiffusion3Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_tiny_image_vae(use_quant_conv=False, use_post_quant_conv=False,
+                            shift_factor=0.0609, scaling_factor=1.5035),
+        text_encoder=_tiny_clip_encoder(32, with_projection=True),
+        tokenizer=_word_tokenizer(16, eos="</s>", pad="<pad>", bos="<s>"),
+        text_encoder_2=_tiny_clip_encoder(32, with_projection=True),
+        tokenizer_2=_word_tokenizer(16, eos="</s>", pad="<pad>", bos="<s>"),
+        text_encoder_3=_tiny_t5_encoder(32),
+        tokenizer_3=_word_tokenizer(16, eos="</s>", pad="<pad>"),
+        transformer=transformer,
+    )
+
+
+def build_tiny_sd():
+    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+    unet = UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(16, 32), down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=32,
+        attention_head_dim=8, norm_num_groups=8,
+    )
+    return StableDiffusionPipeline(
+        vae=_tiny_image_vae(), text_encoder=_tiny_clip_encoder(32),
+        tokenizer=_word_tokenizer(16, eos="</s>", pad="<pad>", bos="<s>"), unet=unet,
+        scheduler=DDIMScheduler(steps_offset=1, clip_sample=False), safety_checker=None,
+        feature_extractor=None, requires_safety_checker=False,
+    )
+
+
+def build_tiny_ltx():
+    from diffusers import (
+        AutoencoderKLLTXVideo,
+        FlowMatchEulerDiscreteScheduler,
+        LTXPipeline,
+        LTXVideoTransformer3DModel,
+    )
+
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=4,
+        attention_head_dim=8, cross_attention_dim=32, num_layers=2, caption_channels=32,
+    )
+    # 8x temporal (8k+1 frames) and 32x spatial compression, as the real LTX VAE.
+    vae = AutoencoderKLLTXVideo(
+        in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8, 8, 8),
+        decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, True, False),
+        decoder_spatio_temporal_scaling=(True, True, True, False),
+        decoder_inject_noise=(False,) * 5, upsample_residual=(False,) * 4,
+        upsample_factor=(1,) * 4, timestep_conditioning=False, patch_size=4, patch_size_t=1,
+        encoder_causal=True, decoder_causal=False,
+    )
+    return LTXPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae,
+        text_encoder=_tiny_t5_encoder(32), tokenizer=_word_tokenizer(16, eos="</s>", pad="<pad>"),
+        transformer=transformer,
+    )
+
+
+_BUILDERS = {
+    "tiny-flux": build_tiny_flux,
+    "tiny-wan": build_tiny_wan,
+    "tiny-sd3": build_tiny_sd3,
+    "tiny-sd": build_tiny_sd,
+    "tiny-ltx": build_tiny_ltx,
+}
 
 
 def build_embedded(name: str, seed: int = 0):

@@ -45,8 +45,11 @@ class NoStepCache(StepCache):
 class DBCacheStepCache(StepCache):
     """cache-dit DBCache (optionally with the TaylorSeer calibrator), attached on first use."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, blocks: tuple[str, str] | None = None):
         super().__init__(module)
+        # (ModuleList attribute, cache-dit ForwardPattern name) for transformers cache-dit has
+        # no registered adapter for (e.g. SD3Transformer2DModel).
+        self.blocks = blocks
         self._attached = False
         self._active = False
         self._uncached_forward = None
@@ -57,8 +60,19 @@ class DBCacheStepCache(StepCache):
 
         logging.getLogger("cache_dit").setLevel(logging.WARNING)
         _quiet_cache_dit()
+        from cache_dit import BlockAdapter, BlockAdapterRegister, ForwardPattern
+
         self._uncached_forward = self.module.forward
-        cache_dit.enable_cache(self.module, cache_config=config)
+        target = self.module
+        if not BlockAdapterRegister.is_supported(self.module) and self.blocks is not None:
+            attr, pattern = self.blocks
+            from cache_dit.caching.block_adapters.block_adapters import FakeDiffusionPipeline
+
+            target = BlockAdapter(
+                pipe=FakeDiffusionPipeline(self.module), transformer=self.module,
+                blocks=getattr(self.module, attr),
+                forward_pattern=getattr(ForwardPattern, pattern), check_forward_pattern=True)
+        cache_dit.enable_cache(target, cache_config=config)
         _quiet_cache_dit()  # loggers of submodules imported by enable_cache
         self._cached_forward = self.module.forward
         self._attached = True
@@ -103,14 +117,15 @@ class DBCacheStepCache(StepCache):
 STEP_CACHES: dict[str, type[StepCache]] = {"none": NoStepCache, "dbcache": DBCacheStepCache}
 
 
-def make_step_cache(kind: str, module: torch.nn.Module) -> StepCache:
+def make_step_cache(kind: str, module: torch.nn.Module,
+                    blocks: tuple[str, str] | None = None) -> StepCache:
     if kind not in STEP_CACHES:
         raise ValueError(f"unknown step cache {kind!r}; choose one of {sorted(STEP_CACHES)}")
     # One cache per module: two wrappers of the same (process-cached) pipeline share it.
     existing = getattr(module, "_genserve_step_cache", None)
     if type(existing) is STEP_CACHES[kind]:
         return existing
-    cache = STEP_CACHES[kind](module)
+    cache = DBCacheStepCache(module, blocks) if kind == "dbcache" else STEP_CACHES[kind](module)
     module._genserve_step_cache = cache
     return cache
 

@@ -94,9 +94,16 @@ class _Worker:
                 return
 
     def loop(self) -> None:
+        import multiprocessing as mp
+
+        parent = mp.parent_process()
         while not self.stopping:
             wait = self.batcher.wait_time()
-            self.drain(timeout=wait if wait is None else min(wait, 1.0))
+            # Wake at least every second: a worker whose gateway died must not linger.
+            self.drain(timeout=1.0 if wait is None else min(wait, 1.0))
+            if parent is not None and not parent.is_alive():
+                logger.error("the gateway process is gone; the diffusion worker exits")
+                return
             batch = self.batcher.pop_batch()
             if batch:
                 self.run_batch(batch)

@@ -144,3 +144,31 @@ def test_image_store_keeps_content_consistent(server, http):
     store.check_integrity()
     path, media_type = store.get(item["id"])
     assert media_type == "image/png" and path.read_bytes() == http.get(item["url"]).content
+
+
+def test_full_queue_is_503_at_once(http, server, diffusion_client):
+    import threading
+    import time
+
+    import httpx
+
+    long_done = []
+
+    def long_request():
+        with httpx.Client(base_url=server.url, timeout=60) as other:
+            long_done.append(generate(other, size="64x64", num_inference_steps=40))
+
+    thread = threading.Thread(target=long_request)
+    saved = diffusion_client.max_queued
+    diffusion_client.max_queued = 1
+    try:
+        thread.start()
+        deadline = time.time() + 30
+        while diffusion_client.queue_depth() == 0 and time.time() < deadline:
+            time.sleep(0.005)
+        r = generate(http)
+        assert r.status_code == 503 and "queue is full" in error_of(r)["message"]
+    finally:
+        diffusion_client.max_queued = saved
+        thread.join(timeout=60)
+    assert long_done[0].status_code == 200

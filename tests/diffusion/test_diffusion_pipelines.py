@@ -135,6 +135,29 @@ def test_load_diffusers_folder(flux, tmp_path):
     assert np.array_equal(out.frames[0], ref.frames[0])
 
 
+@pytest.mark.parametrize("name, frames, guidance, caches", [
+    ("tiny-sd3", 1, 4.0, True), ("tiny-sd", 1, 4.0, False), ("tiny-ltx", 9, 3.0, True),
+])
+def test_other_families_generate_batch_and_cache(name, frames, guidance, caches):
+    model = load_model(name)
+    size = model.spec.size_factor * 2 if name == "tiny-ltx" else 32
+
+    def r(rid, seed, prompt, **kw):
+        return req(rid, (seed,), prompt, size=size, frames=frames, guidance=guidance, **kw)
+
+    alone, steps = run(model, r("a", 1, "a red cat"))
+    assert alone.frames[0].shape == (frames, size, size, 3) and steps[-1] == (2, 2)
+    both, _ = run(model, r("b", 2, "a blue dog"), r("a", 1, "a red cat"))
+    assert np.array_equal(both.frames[1], alone.frames[0])
+    assert not np.array_equal(both.frames[0], alone.frames[0])
+    latents = torch.zeros(1, 4 if name != "tiny-ltx" else 8, 1, 2, 2)
+    preview = model.preview({"latents": latents}, r("a", 1, "x"), full_decode=False)
+    assert preview.shape == (frames, size, size, 3)
+    cached, _ = run(model, r("c", 1, "a red cat", steps=8,
+                             cache=StepCacheConfig(True, residual_diff_threshold=0.5)))
+    assert (cached.cached_steps > 0) == caches
+
+
 def test_batch_invariant_layers_match_row_by_row():
     from genserve.multimodal_gen.batch_invariance import make_batch_invariant
 

@@ -29,6 +29,15 @@ EMBEDDED_SPECS: dict[str, tuple[type[DiffusionFamily], dict]] = {
     "tiny-wan": (WanFamily, dict(default_width=64, default_height=64, default_steps=4,
                                  default_num_frames=9, max_num_frames=33, max_pixels=256 * 256,
                                  default_guidance=1.0, default_fps=8)),
+    # Not served by default: they exercise the other families in tests.
+    "tiny-sd3": (SD3Family, dict(default_width=64, default_height=64, default_steps=4,
+                                 max_pixels=512 * 512, default_guidance=5.0)),
+    "tiny-sd": (StableDiffusionFamily, dict(default_width=64, default_height=64,
+                                            default_steps=4, max_pixels=512 * 512,
+                                            default_guidance=5.0)),
+    "tiny-ltx": (LTXFamily, dict(default_width=64, default_height=64, default_steps=4,
+                                 default_num_frames=9, max_num_frames=33, max_pixels=256 * 256,
+                                 default_guidance=3.0, default_fps=8)),
 }
 
 

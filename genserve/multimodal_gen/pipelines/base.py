@@ -49,6 +49,8 @@ class DiffusionFamily(ABC):
     spec_defaults: ClassVar[dict[str, Any]]  # ModelSpec fields for a real checkpoint
     cfg_runs_separately: ClassVar[bool] = False  # transformer called twice per step with CFG
     step_cache_kind: ClassVar[str] = "dbcache"  # a key of step_cache.STEP_CACHES
+    # (blocks attribute, cache-dit ForwardPattern) when cache-dit has no adapter of its own.
+    cache_blocks: ClassVar[tuple[str, str] | None] = None
 
     def __init__(self, name: str, pipe: Any, source: str, spec_overrides: dict | None = None):
         self.name = name
@@ -63,7 +65,8 @@ class DiffusionFamily(ABC):
         )
         # Before the step cache: cache-dit wraps the denoiser's forward, we wrap its layers.
         make_batch_invariant(self.denoiser)
-        self.step_cache: StepCache = make_step_cache(self.step_cache_kind, self.denoiser)
+        self.step_cache: StepCache = make_step_cache(self.step_cache_kind, self.denoiser,
+                                                       self.cache_blocks)
         self._img2img: Any = None
         self._device: torch.device | None = None
         self._previewer: Any = None

@@ -17,6 +17,7 @@ class SD3Family(DiffusionFamily):
     task = TEXT_TO_IMAGE
     pipeline_classes = ("StableDiffusion3Pipeline",)
     img2img_class = "StableDiffusion3Img2ImgPipeline"
+    cache_blocks = ("transformer_blocks", "Pattern_1")
     spec_defaults = dict(
         size_factor=16, max_pixels=2048 * 2048, default_width=1024, default_height=1024,
         default_steps=28, default_guidance=7.0, max_steps=150,
