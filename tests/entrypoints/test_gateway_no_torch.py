@@ -10,7 +10,7 @@ import sys
 import genserve.entrypoints.app, genserve.entrypoints.cli
 from genserve.entrypoints.config import GatewayConfig
 genserve.entrypoints.app.create_app(GatewayConfig(), [])
-import genserve.bench.serving
+import genserve.bench.serving, genserve.bench.http_vs_offline
 assert 'torch' not in sys.modules, 'torch was imported'
 """
 
