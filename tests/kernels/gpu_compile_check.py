@@ -39,23 +39,30 @@ def compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     values = dict(zip(self.arg_names, args, strict=False)) | kwargs
     constexpr_idx = {p.num for p in self.params if p.is_constexpr}
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(self.arg_names):
         value = values[name]
+        aligned = False
         if i in constexpr_idx:
             signature[name], constexprs[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + SIG_TYPES[value.dtype]
+            aligned = value.data_ptr() % 16 == 0
         elif isinstance(value, bool):
             signature[name] = "i1"
         elif isinstance(value, int):
             signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            aligned = value % 16 == 0
         else:
             signature[name] = "fp32"
+        # Like a real launch: 16-aligned pointers and multiples of 16 are specialised, which is
+        # what lets the compiler vectorise loads.
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
     label = f"{self.__name__} {constexprs} {options}"
     try:
         kernel = triton.compile(
-            ASTSource(self, signature, constexprs), target=TARGET, options=options
+            ASTSource(self, signature, constexprs, attrs), target=TARGET, options=options
         )
     except Exception as e:  # report every failing launch, not just the first
         failures.append(f"{label}: {type(e).__name__}: {e}")
