@@ -12,8 +12,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from genserve.entrypoints.errors import APIError, payload_too_large, unauthorized
 
-# Paths that stay open when an API key is set (load balancers and Prometheus probe them).
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Paths that stay open when an API key is set: probes (load balancers, Prometheus) and the web
+# UI's static files, which hold no secrets and which a browser cannot fetch with a header.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/"})
+OPEN_PREFIXES = ("/ui/",)
 
 
 class APIKeyMiddleware:
@@ -23,8 +25,17 @@ class APIKeyMiddleware:
         self.app = app
         self._key = api_key.encode()
 
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+    def _authorized(self, scope: Scope) -> bool:
+        headers = dict(scope["headers"])
         supplied = headers.get(b"x-api-key")
+        if supplied is None and scope["type"] == "websocket":
+            # Browsers cannot set headers on a WebSocket: the web UI passes ?api_key=.
+            for part in scope.get("query_string", b"").split(b"&"):
+                name, _, value = part.partition(b"=")
+                if name == b"api_key":
+                    from urllib.parse import unquote_to_bytes
+
+                    supplied = unquote_to_bytes(value)
         auth = headers.get(b"authorization")
         if auth is not None and auth[:7].lower() == b"bearer ":
             supplied = auth[7:].strip()
@@ -32,14 +43,18 @@ class APIKeyMiddleware:
         return supplied is not None and hmac.compare_digest(supplied, self._key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
+        path = scope.get("path", "")
+        if (
+            scope["type"] not in ("http", "websocket")
+            or path in OPEN_PATHS
+            or path.startswith(OPEN_PREFIXES)
+        ):
             await self.app(scope, receive, send)
             return
         if scope["type"] == "http" and scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)  # CORS preflight never carries credentials
             return
-        headers = dict(scope["headers"])
-        if self._authorized(headers):
+        if self._authorized(scope):
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":

@@ -218,9 +218,18 @@ class AsyncEngine(LLMEngineClient):
         return info
 
     def tokenize(self, text: str) -> list[int]:
-        if self.tokenizer is None:
+        tok = self.tokenizer
+        if tok is None:
             raise ValueError("this model has no tokenizer: send input_ids instead of text")
-        return list(self.tokenizer.encode(text))
+        # Chat templates that write the BOS token themselves must not get a second one.
+        bos = getattr(tok, "bos_token", None)
+        add_special = not (bos and text.startswith(bos))
+        return list(tok.encode(text, add_special_tokens=add_special))
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return super().decode(ids)
+        return self.tokenizer.decode(ids)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

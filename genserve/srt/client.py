@@ -35,6 +35,10 @@ class LLMEngineClient(ABC):
     def tokenize(self, text: str) -> list[int]:
         """Token ids of `text` with the model's tokenizer (adds BOS as the model expects)."""
 
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids (for logprob token strings). Default: ids shown as numbers."""
+        return "".join(f"token_id:{i}" for i in ids)
+
     @abstractmethod
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

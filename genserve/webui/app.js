@@ -41,9 +41,13 @@
   worker.onerror = (event) => showError(`Frame decoder failed: ${event.message}`);
 
   // ---- connection (reconnects after a server restart) ----
+  // With `genserve serve --api-key K`, open the page as /?api_key=K.
+  const apiKey = new URLSearchParams(location.search).get("api_key");
+
   function wsUrl() {
     const proto = location.protocol === "https:" ? "wss:" : "ws:";
-    return `${proto}//${location.host}/v1/realtime/video`;
+    const query = apiKey ? `?api_key=${encodeURIComponent(apiKey)}` : "";
+    return `${proto}//${location.host}/v1/realtime/video${query}`;
   }
 
   function setConnection(status, text) {
@@ -85,7 +89,8 @@
   async function loadModels() {
     let cards;
     try {
-      const response = await fetch("/v1/models");
+      const headers = apiKey ? { Authorization: `Bearer ${apiKey}` } : {};
+      const response = await fetch("/v1/models", { headers });
       const body = await response.json();
       if (!response.ok) throw new Error(body.error ? body.error.message : response.statusText);
       cards = body.data.filter((m) => m.kind === "diffusion");
