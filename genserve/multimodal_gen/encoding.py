@@ -29,7 +29,7 @@ def encode_image(frame: np.ndarray, fmt: str = "png", quality: int = 90) -> byte
     buf = io.BytesIO()
     image = Image.fromarray(np.ascontiguousarray(frame), mode="RGB")
     if fmt == "png":
-        image.save(buf, format="PNG")
+        image.save(buf, format="PNG", compress_level=1)  # fast; still lossless
     elif fmt == "jpeg":
         image.save(buf, format="JPEG", quality=quality)
     else:

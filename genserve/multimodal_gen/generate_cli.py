@@ -42,13 +42,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--diffusion-cpu-offload", action="store_true")
 
 
+def _is_diffusion_model(path: str) -> bool:
+    from genserve.multimodal_gen.launch import EMBEDDED_MODELS
+
+    return path in EMBEDDED_MODELS or (Path(path) / "model_index.json").is_file()
+
+
 def _model_name(args: argparse.Namespace, output: Path) -> str:
     model = getattr(args, "model", None)
     paths = getattr(args, "diffusion_model_path", None)
+    # `genserve generate --model X` reaches us as --model-path (argparse abbreviation) when
+    # the gateway CLI has no --model flag of its own.
+    llm_paths = [p for p in getattr(args, "model_path", None) or [] if _is_diffusion_model(p)]
     if model:
         return model
     if paths:
         return paths[0]
+    if llm_paths:
+        return llm_paths[0]
     video = getattr(args, "task", None) == TEXT_TO_VIDEO or output.suffix.lower() == ".mp4"
     return "tiny-wan" if video else "tiny-flux"
 

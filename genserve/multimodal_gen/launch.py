@@ -10,6 +10,8 @@ from genserve.multimodal_gen.messages import StepCacheConfig
 
 # Served when no --diffusion-model-path is given (built offline from configs, random weights).
 DEFAULT_MODELS = ("tiny-flux", "tiny-wan")
+# Every embedded name (mirrors embedded.EMBEDDED_NAMES, which imports torch).
+EMBEDDED_MODELS = ("tiny-flux", "tiny-wan", "tiny-sd3", "tiny-sd", "tiny-ltx")
 
 
 def worker_config_from_args(model_paths: list[str] | None, args: Any):

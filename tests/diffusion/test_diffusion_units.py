@@ -166,3 +166,11 @@ def test_encoders_round_trip(tmp_path):
     info = probe_mp4(path)
     assert info == {"faststart": True, "codec": "h264", "pix_fmt": "yuv420p", "fps": 8.0,
                     "num_frames": 9, "width": 48, "height": 32}
+
+
+def test_embedded_names_agree():
+    pytest.importorskip("torch")
+    from genserve.multimodal_gen.embedded import EMBEDDED_NAMES
+    from genserve.multimodal_gen.launch import EMBEDDED_MODELS
+
+    assert EMBEDDED_NAMES == EMBEDDED_MODELS
