@@ -111,8 +111,9 @@ class DiffusionFamily(ABC):
         t1 = time.perf_counter()
         cached = self.step_cache.cached_steps()
         # 4. Decode each row on its own (bit-identical whatever the batch size).
-        frames = [self._to_uint8(self.decode(self.unpack_latents(latents[i : i + 1], head)))
-                  for i in range(latents.shape[0])]
+        with torch.inference_mode():
+            frames = [self._to_uint8(self.decode(self.unpack_latents(latents[i : i + 1], head)))
+                      for i in range(latents.shape[0])]
         t2 = time.perf_counter()
         return BatchOutput(
             frames=frames,
