@@ -174,3 +174,18 @@ def test_embedded_names_agree():
     from genserve.multimodal_gen.launch import EMBEDDED_MODELS
 
     assert EMBEDDED_NAMES == EMBEDDED_MODELS
+
+
+def test_request_step_cache_fills_in_from_the_server_default():
+    from genserve.entrypoints.errors import APIError
+    from genserve.entrypoints.images.protocol import StepCacheParam, step_cache_config
+
+    server = StepCacheConfig(enabled=False, residual_diff_threshold=0.3, warmup_steps=2)
+    assert step_cache_config(None, server) is None
+    assert step_cache_config(True, server) == StepCacheConfig(True, 0.3, warmup_steps=2)
+    assert step_cache_config("none", server).enabled is False
+    override = step_cache_config(StepCacheParam(Fn=2, residual_diff_threshold=0.5), server)
+    assert override == StepCacheConfig(True, 0.5, fn=2, warmup_steps=2)
+    with pytest.raises(APIError) as exc:
+        step_cache_config(StepCacheParam(bn=-1), server)
+    assert exc.value.status_code == 400 and "bn" in exc.value.message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Literal
 
@@ -30,16 +31,19 @@ class StepCacheParam(BaseModel):
 StepCacheField = bool | Literal["none", "dbcache"] | StepCacheParam | None
 
 
-def step_cache_config(value: Any) -> StepCacheConfig | None:
-    """The request's `step_cache` as a StepCacheConfig (None = the server default). 400 when
-    a value is out of range."""
+def step_cache_config(value: Any, server_default: StepCacheConfig | None = None
+                      ) -> StepCacheConfig | None:
+    """The request's `step_cache` as a StepCacheConfig (None = the server default). Fields the
+    request leaves out (and a plain `true`) take the server's settings. 400 when a value is out
+    of range."""
     if value is None:
         return None
+    base = server_default or StepCacheConfig()
     if isinstance(value, bool) or value in ("none", "dbcache"):
-        return StepCacheConfig(enabled=value is True or value == "dbcache")
+        return dataclasses.replace(base, enabled=value is True or value == "dbcache")
     fields = {k: v for k, v in value.model_dump(by_alias=False).items() if v is not None}
     try:
-        return StepCacheConfig(**fields)
+        return dataclasses.replace(base, **fields)
     except ValueError as exc:
         raise bad_request(str(exc), param="step_cache") from None
 

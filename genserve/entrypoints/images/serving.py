@@ -119,7 +119,8 @@ class ImageServing:
             guidance_scale=body.guidance_scale,
             seed=body.seed,
             num_outputs=body.n,
-            step_cache=step_cache_config(body.step_cache),
+            step_cache=step_cache_config(
+                body.step_cache, getattr(self.client, "default_step_cache", None)),
             init_image=init_image,
             strength=strength,
         )

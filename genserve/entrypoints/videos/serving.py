@@ -60,7 +60,8 @@ class VideoServing:
             negative_prompt=body.negative_prompt, width=width, height=height,
             num_frames=num_frames, fps=fps, num_inference_steps=body.num_inference_steps,
             guidance_scale=body.guidance_scale, seed=seed,
-            step_cache=step_cache_config(body.step_cache),
+            step_cache=step_cache_config(
+                body.step_cache, getattr(self.client, "default_step_cache", None)),
         )
         try:  # check now, so bad input is a 400 and not a failed job
             resolved = resolve_request(req, spec, StepCacheConfig())
