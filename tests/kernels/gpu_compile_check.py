@@ -104,7 +104,7 @@ def main() -> int:
     torch.cuda.get_device_properties = lambda d: type("P", (), {"multi_processor_count": 132})
     torch.Tensor.device = property(lambda self: torch.device("cuda"))
 
-    cases = [(torch.bfloat16, 32, 4, 128), (torch.bfloat16, 9, 3, 80), (torch.float32, 8, 8, 64)]
+    cases = [(torch.bfloat16, 32, 4, 128), (torch.bfloat16, 9, 3, 80), (torch.float32, 8, 8, 128)]
     for dtype, hq, hkv, d in cases:
         t, slots = 40, 100
         q = torch.randn(t, hq, d, dtype=dtype)
