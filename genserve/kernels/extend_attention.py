@@ -31,13 +31,18 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_block(q, k, v, mask, m_i, l_i, acc, qk_scale, FP32_DOT: tl.constexpr):
-    """One online-softmax step. q [M, D], k [D, N] (transposed), v [N, Dv], mask [M, N]."""
+def _attend_block(
+    q, k, v, mask, m_i, l_i, acc, qk_scale, FP32_DOT: tl.constexpr, MASKED: tl.constexpr
+):
+    """One online-softmax step. q [M, D], k [D, N] (transposed), v [N, Dv], mask [M, N]
+    (ignored unless MASKED: blocks every row sees whole skip the select)."""
     if FP32_DOT:
         qk = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
     else:
         qk = tl.dot(q, k.to(q.dtype))
-    qk = tl.where(mask, qk * qk_scale, float("-inf"))
+    qk = qk * qk_scale
+    if MASKED:
+        qk = tl.where(mask, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     # Rows with no visible key in this block keep m = -inf; avoid (-inf) - (-inf) = nan.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -126,11 +131,28 @@ def _extend_kernel(
             mask=mask_n[:, None] & mask_dv[None, :],
             other=0.0,
         )
-        m_i, l_i, acc = _attend_block(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, FP32_DOT)
+        m_i, l_i, acc = _attend_block(
+            q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, FP32_DOT, True
+        )
 
-    # 2) the new tokens, causally: block columns up to the last row of this block.
+    # 2) the new tokens, causally. Columns [0, diag) precede every row of this block and
+    # need no mask; [diag, ext_end) straddle the diagonal (ext_end: this block's last row + 1).
+    diag = (m_block * BLOCK_M) // BLOCK_N * BLOCK_N
     ext_end = tl.minimum((m_block + 1) * BLOCK_M, ext_len)
-    for start in range(0, ext_end, BLOCK_N):
+    for start in range(0, diag, BLOCK_N):
+        cols = (q_start + start + tl.arange(0, BLOCK_N)).to(tl.int64)
+        k = tl.load(
+            K_ext + cols[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+            mask=mask_d[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            V_ext + cols[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
+            mask=mask_dv[None, :],
+            other=0.0,
+        )
+        m_i, l_i, acc = _attend_block(q, k, v, None, m_i, l_i, acc, qk_scale, FP32_DOT, False)
+    for start in range(diag, ext_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < ext_end
         cols = (q_start + offs_n).to(tl.int64)
@@ -145,7 +167,7 @@ def _extend_kernel(
             other=0.0,
         )
         causal = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
-        m_i, l_i, acc = _attend_block(q, k, v, causal, m_i, l_i, acc, qk_scale, FP32_DOT)
+        m_i, l_i, acc = _attend_block(q, k, v, causal, m_i, l_i, acc, qk_scale, FP32_DOT, True)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
