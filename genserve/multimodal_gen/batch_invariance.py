@@ -3,9 +3,10 @@
 A request's rows only meet other rows inside matrix products and convolutions, and there the
 CPU kernels change their summation order with the batch: a GEMM with 1, 2 or 3 rows takes
 another code path than one with 4 or more rows (which agree bit for bit), and a convolution's
-blocking depends on the batch size. So in the denoiser, a linear layer on fewer than
-`MIN_ROWS` rows (the timestep / modulation projections of a batch of 1-3) pads its input to
-`MIN_ROWS` rows and drops the padding, and a convolution runs one sample at a time.
+blocking depends on the batch size. Rows past the last full block of `MIN_ROWS` also take a
+tail path (seen with 2 threads: row 4 of a 5-row GEMM differs from the same row alone). So in
+the denoiser a linear layer pads its rows up to a multiple of `MIN_ROWS` and drops the padding,
+and a convolution runs one sample at a time.
 
 Installed per module *instance* (an instance `forward` attribute, like cache-dit's hooks); no
 class is patched, and modules on a GPU run unchanged.
@@ -24,10 +25,11 @@ MIN_ROWS = 4
 
 def _linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // max(1, x.shape[-1])
-    if x.device.type != "cpu" or not 0 < rows < MIN_ROWS:
+    pad = -rows % MIN_ROWS
+    if x.device.type != "cpu" or rows == 0 or pad == 0:
         return F.linear(x, module.weight, module.bias)
     flat = x.reshape(rows, x.shape[-1])
-    padded = torch.cat([flat, flat.new_zeros(MIN_ROWS - rows, flat.shape[1])])
+    padded = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
     out = F.linear(padded, module.weight, module.bias)[:rows]
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
