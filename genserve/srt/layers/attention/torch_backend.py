@@ -1,7 +1,15 @@
 """Paged attention in plain torch (SDPA over K/V gathered from the pool): the CPU backend and
-the reference the Triton backend is checked against."""
+the reference the Triton backend is checked against.
+
+Decode is memory-bound on a CPU: gathering every request's K/V costs more than the math. When
+several decoding requests share a long prefix of KV slots (a common system prompt through the
+radix cache, or n > 1), the shared part is gathered and attended once for the whole group
+("cascade" attention) and merged with each request's own suffix through their log-sum-exps.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -10,10 +18,24 @@ from genserve.srt.forward_batch import ForwardBatch, ForwardMode
 from genserve.srt.layers.attention.base import AttentionBackend, AttentionLayerInfo
 
 
+# A shared prefix shorter than this is not worth a separate pass.
+CASCADE_MIN_PREFIX = 64
+
+
+@dataclass
+class _CascadeGroup:
+    members: torch.Tensor  # [G] rows of the batch
+    prefix_slots: torch.Tensor  # [P] KV slots every member starts with
+    suffix_index: torch.Tensor  # [G, S] each member's remaining slots, 0 = padding
+    suffix_mask: torch.Tensor  # [G, 1, 1, S] bool
+
+
 class TorchAttnBackend(AttentionBackend):
     def __init__(self) -> None:
         self._decode_index: torch.Tensor | None = None  # [batch, max_len] KV slots, 0 = padding
         self._decode_mask: torch.Tensor | None = None  # [batch, 1, 1, max_len] bool
+        self._plain_rows: torch.Tensor | None = None  # decode rows not in a cascade group
+        self._groups: list[_CascadeGroup] = []
         self._extend_slots: list[torch.Tensor] = []  # per request: [seq_len] KV slots
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -23,14 +45,52 @@ class TorchAttnBackend(AttentionBackend):
             rows = req_to_token.index_select(0, fb.req_pool_indices)[:, :max_len]
             arange = torch.arange(max_len, device=rows.device)
             valid = arange.unsqueeze(0) < fb.seq_lens.unsqueeze(1)  # [batch, max_len]
-            self._decode_index = torch.where(valid, rows, torch.zeros_like(rows))
-            self._decode_mask = valid[:, None, None, :]
+            index = torch.where(valid, rows, torch.zeros_like(rows))
+            self._plan_cascade(index, valid, fb.seq_lens_cpu)
         else:
             rows = fb.req_pool_indices.tolist()
             self._extend_slots = [
                 req_to_token[row, :seq_len] if prefix > 0 else None  # type: ignore[misc]
                 for row, seq_len, prefix in zip(rows, fb.seq_lens_cpu, fb.extend_prefix_lens_cpu)
             ]
+
+    def _plan_cascade(self, index: torch.Tensor, valid: torch.Tensor, seq_lens: list[int]) -> None:
+        groups: dict[int, list[int]] = {}
+        for i, first in enumerate(index[:, 0].tolist()):
+            groups.setdefault(first, []).append(i)
+        self._groups, plain = [], []
+        for members in groups.values():
+            if len(members) < 2:
+                plain.extend(members)
+                continue
+            sub = index[members]
+            # Leading columns where every member holds the same slot.
+            same = (sub == sub[:1]).all(0).to(torch.int64).cumprod(0)
+            common = min(int(same.sum()), min(seq_lens[i] for i in members) - 1)
+            if common < CASCADE_MIN_PREFIX:
+                plain.extend(members)
+                continue
+            width = max(seq_lens[i] for i in members) - common
+            self._groups.append(
+                _CascadeGroup(
+                    members=torch.tensor(members, device=index.device),
+                    prefix_slots=sub[0, :common],
+                    suffix_index=sub[:, common : common + width],
+                    suffix_mask=valid[members, common : common + width][:, None, None, :],
+                )
+            )
+        plain.sort()
+        if len(plain) == index.shape[0]:
+            self._plain_rows = None  # everyone: no indexing needed
+            self._decode_index, self._decode_mask = index, valid[:, None, None, :]
+        elif plain:
+            rows = torch.tensor(plain, device=index.device)
+            width = max(seq_lens[i] for i in plain)
+            self._plain_rows = rows
+            self._decode_index = index[rows, :width]
+            self._decode_mask = valid[rows, :width][:, None, None, :]
+        else:
+            self._plain_rows, self._decode_index, self._decode_mask = None, None, None
 
     def forward(
         self,
@@ -45,21 +105,17 @@ class TorchAttnBackend(AttentionBackend):
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         gqa = layer.num_heads != layer.num_kv_heads
         if fb.mode is ForwardMode.DECODE:
-            assert self._decode_index is not None and self._decode_mask is not None
-            batch, max_len = self._decode_index.shape
-            flat = self._decode_index.reshape(-1)
-            # [batch, kv_heads, max_len, head_dim]
-            keys = k_buf.index_select(0, flat).view(batch, max_len, -1, layer.head_dim)
-            values = v_buf.index_select(0, flat).view(batch, max_len, -1, layer.head_dim)
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(2),  # [batch, heads, 1, head_dim]
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=self._decode_mask,
-                scale=layer.scaling,
-                enable_gqa=gqa,
-            )
-            return out.squeeze(2)
+            if not self._groups:
+                return self._decode_padded(q, k_buf, v_buf, layer, gqa)
+            out = torch.empty_like(q)
+            if self._decode_index is not None:
+                rows = self._plain_rows
+                out[rows] = self._decode_padded(q[rows], k_buf, v_buf, layer, gqa)
+            for group in self._groups:
+                out[group.members] = self._decode_cascade(
+                    q[group.members], k_buf, v_buf, layer, group
+                )
+            return out
 
         out = torch.empty_like(q)
         start = 0
@@ -89,3 +145,58 @@ class TorchAttnBackend(AttentionBackend):
             out[start:end] = o.squeeze(0).transpose(0, 1)
             start = end
         return out
+
+    def _decode_padded(
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer, gqa: bool
+    ) -> torch.Tensor:
+        assert self._decode_index is not None and self._decode_mask is not None
+        batch, max_len = self._decode_index.shape
+        flat = self._decode_index.reshape(-1)
+        # [batch, kv_heads, max_len, head_dim]
+        keys = k_buf.index_select(0, flat).view(batch, max_len, -1, layer.head_dim)
+        values = v_buf.index_select(0, flat).view(batch, max_len, -1, layer.head_dim)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [batch, heads, 1, head_dim]
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=self._decode_mask,
+            scale=layer.scaling,
+            enable_gqa=gqa,
+        )
+        return out.squeeze(2)
+
+    @staticmethod
+    def _decode_cascade(
+        q: torch.Tensor,  # [G, heads, head_dim]
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        layer: AttentionLayerInfo,
+        group: _CascadeGroup,
+    ) -> torch.Tensor:
+        g, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
+        per = layer.num_heads // hkv
+        qf = q.float().view(g, hkv, per, d)
+        # Shared prefix, gathered once: [kv_heads, P, head_dim].
+        kp = k_buf.index_select(0, group.prefix_slots).float().transpose(0, 1)
+        vp = v_buf.index_select(0, group.prefix_slots).float().transpose(0, 1)
+        # Every member's queries of one kv head in one matmul: [kv_heads, G * per, P].
+        qp = qf.permute(1, 0, 2, 3).reshape(hkv, g * per, d)
+        s1 = torch.matmul(qp, kp.transpose(1, 2)) * layer.scaling
+        lse1 = torch.logsumexp(s1, dim=-1, keepdim=True)
+        o1 = torch.matmul(torch.exp(s1 - lse1), vp)  # [kv_heads, G * per, head_dim]
+        o1 = o1.view(hkv, g, per, d).permute(1, 0, 2, 3)  # [G, kv_heads, per, head_dim]
+        lse1 = lse1.view(hkv, g, per, 1).permute(1, 0, 2, 3)
+        # Each member's own suffix: [G, kv_heads, S, head_dim].
+        s_len = group.suffix_index.shape[1]
+        flat = group.suffix_index.reshape(-1)
+        ks = k_buf.index_select(0, flat).float().view(g, s_len, hkv, d).transpose(1, 2)
+        vs = v_buf.index_select(0, flat).float().view(g, s_len, hkv, d).transpose(1, 2)
+        s2 = torch.matmul(qf, ks.transpose(2, 3)) * layer.scaling  # [G, kv_heads, per, S]
+        s2 = s2.masked_fill(~group.suffix_mask, float("-inf"))
+        lse2 = torch.logsumexp(s2, dim=-1, keepdim=True)
+        o2 = torch.matmul(torch.exp(s2 - lse2), vs)
+        # Merge the two partial softmaxes by their log-sum-exps.
+        m = torch.maximum(lse1, lse2)
+        w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+        o = (o1 * w1 + o2 * w2) / (w1 + w2)
+        return o.reshape(g, layer.num_heads, d).to(q.dtype)
