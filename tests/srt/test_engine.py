@@ -139,7 +139,7 @@ def test_bad_input_raises_clear_errors(tiny):
 
 
 def test_random_mix_of_finish_abort_retract_leaks_nothing(tiny):
-    engine = Engine(tiny, dtype="float32", max_total_tokens=400, max_running_requests=6)
+    engine = Engine(tiny, dtype="float32", max_total_tokens=320, max_running_requests=6)
     sched = engine.scheduler
     rng = random.Random(0)
     shared = prompt(11, 40)
@@ -147,7 +147,7 @@ def test_random_mix_of_finish_abort_retract_leaks_nothing(tiny):
     for i in range(24):
         ids = (shared if rng.random() < 0.5 else []) + prompt(200 + i, rng.randrange(5, 60))
         rid = f"r{i}"
-        params = SamplingParams(max_new_tokens=rng.randrange(1, 50), temperature=0, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=rng.randrange(1, 90), temperature=0, ignore_eos=True)
         assert sched.add_request(TokenizedGenerateReq(rid, ids, params)) is None
         rids.append(rid)
     finished = set()

@@ -1,7 +1,8 @@
 """Continuous batching over the paged KV pool with a RadixAttention prefix cache.
 
 Each `step()` runs one forward pass: a prefill (extend) batch when waiting requests can be
-admitted (prefill-first), otherwise one decode step of every running request.
+admitted (prefill-first; the running requests decode their next token inside that same forward
+when the pool has room), otherwise one decode step of every running request.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class Scheduler:
         self._reap_aborted(outputs)
         batch = self._schedule_prefill()
         if batch:
-            self._run_prefill(batch, outputs)
+            self._run_prefill(batch, self._mix_in_decode(batch), outputs)
         elif self.running:
             self._run_decode(outputs)
         return outputs
@@ -220,7 +221,24 @@ class Scheduler:
 
     # ---- forward passes ---------------------------------------------------------------------
 
-    def _run_prefill(self, batch: list[tuple[Req, int, int]], outputs: list[ReqOutput]) -> None:
+    def _mix_in_decode(self, batch: list[tuple[Req, int, int]]) -> set[int]:
+        """Let running requests decode their next token inside this prefill forward (as
+        1-token extends) instead of stalling while new requests prefill. Only when the pool
+        has a free slot for each without evicting; otherwise they decode in the next step."""
+        if not self.running or self.allocator.available_size() < len(self.running):
+            return set()
+        slots = self.allocator.alloc(len(self.running))
+        if slots is None:
+            return set()
+        rows = torch.tensor([r.row for r in self.running], dtype=torch.int64, device=self.device)
+        cols = torch.tensor([r.kv_len for r in self.running], dtype=torch.int64, device=self.device)
+        self.req_to_token_pool.req_to_token[rows, cols] = slots
+        batch.extend((req, req.kv_len, 1) for req in self.running)
+        return {id(req) for req in self.running}
+
+    def _run_prefill(
+        self, batch: list[tuple[Req, int, int]], decoding: set[int], outputs: list[ReqOutput]
+    ) -> None:
         r2t = self.req_to_token_pool.req_to_token
         input_ids: list[int] = []
         locs = []
@@ -250,7 +268,13 @@ class Scheduler:
         reqs = [batch[i][0] for i in done]
         self._sample(reqs, logits[done] if len(done) < len(batch) else logits)
         for req in reqs:
-            if req.finished:
+            if id(req) in decoding:  # a running request that decoded along
+                if req.finished:
+                    self.running.remove(req)
+                    self._finish(req, outputs)
+                elif req.stream:
+                    outputs.append(req.make_output())
+            elif req.finished:
                 self._finish(req, outputs)
             else:
                 # Publish the prompt's KV now so queued requests sharing it (n > 1, common
