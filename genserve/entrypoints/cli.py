@@ -34,6 +34,8 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens.")
     g.add_argument("--chunked-prefill-size", type=int, default=None)
     g.add_argument("--page-size", type=int, default=None)
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads of the LLM scheduler process (default: torch's choice).")
     g.add_argument("--disable-radix-cache", action="store_true")
 
 
