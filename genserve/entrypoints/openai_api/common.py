@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from genserve.entrypoints import sse
 from genserve.entrypoints.errors import bad_request
-from genserve.entrypoints.generation import STREAM_FROM_ENGINE, supports_grammar
+from genserve.entrypoints.generation import (
+    STREAM_FROM_ENGINE,
+    GenerationGroup,
+    primed,
+    supports_grammar,
+)
 from genserve.entrypoints.openai_api.protocol import SamplingFields
+from genserve.entrypoints.state import GatewayState
 from genserve.srt.client import LLMEngineClient
 from genserve.srt.messages import GenerateOutput, GenerateRequest
 
@@ -136,3 +147,28 @@ def check_grammar(client: LLMEngineClient, what: str) -> None:
     if not supports_grammar(client):
         raise bad_request(f"response_format {what} is not supported yet by this engine "
                           "(no constrained decoding backend).", param="response_format")
+
+
+async def respond(
+    state: GatewayState,
+    client: LLMEngineClient,
+    reqs: list[GenerateRequest],
+    request: Request,
+    stream: bool,
+    full: Callable[[list[GenerateOutput]], dict[str, Any]],
+    streamer: Callable[[GenerationGroup, Any], AsyncIterator[str]],
+) -> Response:
+    """Run the requests as one group: a JSON body from `full(outputs)`, or an SSE stream from
+    `streamer(group, first_events)`; the group is closed (engine requests aborted) on any exit."""
+    group = GenerationGroup(state, client, reqs, request)
+    await group.__aenter__()
+    try:
+        if not stream:
+            outs = await group.finals()
+            await group.close()
+            return JSONResponse(full(outs))
+        events = await primed(group.merged())
+    except BaseException:
+        await group.close()
+        raise
+    return sse.response(streamer(group, events), on_close=group.close)

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from genserve.entrypoints import sse
 from genserve.entrypoints.errors import APIError, bad_request
@@ -15,7 +15,6 @@ from genserve.entrypoints.generation import (
     GenerationGroup,
     check_context,
     default_max_new_tokens,
-    primed,
     tokenize,
 )
 from genserve.entrypoints.openai_api import common
@@ -95,18 +94,11 @@ async def create_chat_completion(state: GatewayState, body: ChatCompletionReques
     params = common.sampling_params(body, max_new, extra)
     reqs = common.fan_out(body, [ids], params, body.logprobs, body.top_logprobs or 0)
     response_id = common.completion_id("chatcmpl")
-    group = GenerationGroup(state, client, reqs, request)
-    await group.__aenter__()
-    try:
-        if not body.stream:
-            outs = await group.finals()
-            await group.close()
-            return JSONResponse(_full_response(client, body, response_id, outs))
-        events = await primed(group.merged())
-    except BaseException:
-        await group.close()
-        raise
-    return sse.response(_stream(client, body, response_id, group, events), on_close=group.close)
+    return await common.respond(
+        state, client, reqs, request, bool(body.stream),
+        lambda outs: _full_response(client, body, response_id, outs),
+        lambda group, events: _stream(client, body, response_id, group, events),
+    )
 
 
 def _full_response(client: LLMEngineClient, body: ChatCompletionRequest, response_id: str,

@@ -6,11 +6,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from genserve.entrypoints import sse
 from genserve.entrypoints.errors import APIError, bad_request
-from genserve.entrypoints.generation import GenerationGroup, check_context, primed, tokenize
+from genserve.entrypoints.generation import GenerationGroup, check_context, tokenize
 from genserve.entrypoints.openai_api import common
 from genserve.entrypoints.openai_api.protocol import CompletionRequest
 from genserve.entrypoints.state import GatewayState
@@ -52,19 +52,11 @@ async def create_completion(state: GatewayState, body: CompletionRequest,
     want_logprobs = body.logprobs is not None
     reqs = common.fan_out(body, prompts, params, want_logprobs, body.logprobs or 0)
     response_id = common.completion_id("cmpl")
-    group = GenerationGroup(state, client, reqs, request)
-    await group.__aenter__()
-    try:
-        if not body.stream:
-            outs = await group.finals()
-            await group.close()
-            return JSONResponse(_full_response(client, body, response_id, outs))
-        events = await primed(group.merged())
-    except BaseException:
-        await group.close()
-        raise
-    return sse.response(_stream(client, body, response_id, len(reqs), group, events),
-                        on_close=group.close)
+    return await common.respond(
+        state, client, reqs, request, bool(body.stream),
+        lambda outs: _full_response(client, body, response_id, outs),
+        lambda group, events: _stream(client, body, response_id, len(reqs), group, events),
+    )
 
 
 def _full_response(client: LLMEngineClient, body: CompletionRequest, response_id: str,
