@@ -96,20 +96,20 @@ class Engine:
             early = sched.add_request(r)
             if early is not None:
                 states[r.rid].update(early)
+        if any(st.last is not None and st.last.error for st in states.values()):
+            # One input is invalid: run none of the batch (and leave nothing queued).
+            for r in reqs:
+                sched.abort(r.rid)
         while sched.has_work():
             for out in sched.step():
                 states[out.rid].update(out)
-        results = []
-        for r in reqs:
-            last = states[r.rid].last
-            if last is None:
-                raise RuntimeError(f"request {r.rid} ended without output")
-            if last.error is not None:
-                for other in states.values():  # nothing may stay queued after an error
-                    sched.abort(other.req.rid)
-                raise ValueError(last.error)
-            results.append(last)
-        return results
+        outs = [states[r.rid].last for r in reqs]
+        for out in outs:
+            if out is not None and out.error is not None:
+                raise ValueError(out.error)
+        if any(out is None for out in outs):
+            raise RuntimeError("a request ended without output")
+        return outs  # type: ignore[return-value]
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -131,6 +131,13 @@ def test_bad_input_raises_clear_errors(tiny):
         engine.generate(input_ids=[1, 2], sampling_params={"temprature": 0})
     with pytest.raises(ValueError, match="input token ids"):
         engine.generate(input_ids=[1, 999999], sampling_params={"max_new_tokens": 2})
+    # A batch with one bad request fails as a whole and leaves nothing behind.
+    with pytest.raises(ValueError, match="context length"):
+        engine.generate(
+            input_ids=[[1, 2, 3], prompt(1, 100)], sampling_params={"max_new_tokens": 64}
+        )
+    assert not engine.scheduler.has_work()
+    assert engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})["output_ids"]
     small = Engine(tiny, dtype="float32", max_total_tokens=64)
     with pytest.raises(ValueError, match="never fit"):
         small.generate(input_ids=prompt(1, 50), sampling_params={"max_new_tokens": 30})
