@@ -62,5 +62,7 @@ GENSERVE_OUTPUT_DIR = _Path(
     "Where generated images and videos are stored for the /content endpoints.",
 )
 GENSERVE_ALLOW_HUB_DOWNLOAD = _Bool(
-    "GENSERVE_ALLOW_HUB_DOWNLOAD", "1", "Resolve Hugging Face hub ids when the machine has internet."
+    "GENSERVE_ALLOW_HUB_DOWNLOAD",
+    "1",
+    "Resolve Hugging Face hub ids when the machine has internet.",
 )

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from genserve.srt.forward_batch import ForwardBatch, ForwardMode
 from genserve.srt.layers.attention.base import AttentionBackend, AttentionLayerInfo
 
-
 # A shared prefix shorter than this is not worth a separate pass.
 CASCADE_MIN_PREFIX = 64
 
