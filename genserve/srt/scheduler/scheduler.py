@@ -230,11 +230,16 @@ class Scheduler:
         slots = self.allocator.alloc(len(self.running))
         if slots is None:
             return set()
-        rows = torch.tensor([r.row for r in self.running], dtype=torch.int64, device=self.device)
-        cols = torch.tensor([r.kv_len for r in self.running], dtype=torch.int64, device=self.device)
-        self.req_to_token_pool.req_to_token[rows, cols] = slots
+        self._write_next_slots(self.running, slots)
         batch.extend((req, req.kv_len, 1) for req in self.running)
         return {id(req) for req in self.running}
+
+    def _write_next_slots(self, reqs: list[Req], slots: torch.Tensor) -> None:
+        """Record each request's slot for its next token: req_to_token[row, kv_len]."""
+        dev = self.device
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev)
+        cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=dev)
+        self.req_to_token_pool.req_to_token[rows, cols] = slots
 
     def _run_prefill(
         self, batch: list[tuple[Req, int, int]], decoding: set[int], outputs: list[ReqOutput]
@@ -303,9 +308,7 @@ class Scheduler:
         assert slots is not None  # ensured above
         rows = [r.row for r in reqs]
         kv_lens = [r.kv_len for r in reqs]
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        cols_t = torch.tensor(kv_lens, dtype=torch.int64, device=self.device)
-        self.req_to_token_pool.req_to_token[rows_t, cols_t] = slots
+        self._write_next_slots(reqs, slots)
         fb = self.runner.build_forward_batch(
             ForwardMode.DECODE,
             rows,  # type: ignore[arg-type]
