@@ -42,7 +42,8 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
 def _add_diffusion_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("diffusion runtime")
     g.add_argument("--diffusion-model-path", action="append", default=None, metavar="PATH",
-                   help="diffusers folder or hub id (repeatable). Default: embedded tiny models.")
+                   help="diffusers folder, hub id or model name (repeatable). Default: the "
+                        "trained demo models shapes-image and shapes-video.")
     g.add_argument("--step-cache", default="none", choices=("none", "dbcache"))
     g.add_argument("--step-cache-threshold", type=float, default=None)
     g.add_argument("--diffusion-max-batch-size", type=int, default=4)
@@ -82,8 +83,9 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--model", default=None,
-                   help="Diffusion model: embedded name (tiny-flux, tiny-wan), diffusers folder "
-                        "or hub id (implies a diffusion request).")
+                   help="Diffusion model: demo model (shapes-image, shapes-video), embedded name "
+                        "(tiny-flux, tiny-wan), diffusers folder or hub id (implies a "
+                        "diffusion request).")
     p.add_argument("--task", default=None, choices=("text-to-image", "text-to-video"),
                    help="Diffusion task (implies a diffusion model).")
     p.add_argument("--n", type=int, default=1, help="Diffusion: number of outputs.")

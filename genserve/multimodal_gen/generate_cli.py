@@ -1,7 +1,8 @@
 """`genserve generate` for diffusion models: one request in this process, no server.
 
+    genserve generate --prompt "a red circle on a white background, top left" --output c.png
+    genserve generate --prompt "a blue square moving up on a black background" --output s.mp4
     genserve generate --model tiny-flux --prompt "a red cat" --output cat.png
-    genserve generate --model tiny-wan --prompt "a bird flying" --output bird.mp4
 
 The output's extension picks the format (.png / .jpg / .webp for images, .mp4 for videos); a
 tqdm bar follows the denoising steps. With n > 1 outputs are written as name-0.png, name-1.png.
@@ -23,7 +24,8 @@ _IMAGE_EXT = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags `run` reads (the gateway CLI may already define most of them)."""
     p.add_argument("--model", default=None,
-                   help="Embedded name (tiny-flux, tiny-wan), diffusers folder or hub id.")
+                   help="Demo model (shapes-image, shapes-video; the default for .png / .mp4), "
+                   "embedded name (tiny-flux, tiny-wan), diffusers folder or hub id.")
     p.add_argument("--prompt", required=True)
     p.add_argument("--output", required=True, help="out.png / .jpg / .webp, or out.mp4")
     p.add_argument("--negative-prompt", default=None)
@@ -61,7 +63,7 @@ def _model_name(args: argparse.Namespace, output: Path) -> str:
     if llm_paths:
         return llm_paths[0]
     video = getattr(args, "task", None) == TEXT_TO_VIDEO or output.suffix.lower() == ".mp4"
-    return "tiny-wan" if video else "tiny-flux"
+    return "shapes-video" if video else "shapes-image"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,10 +8,13 @@ from genserve import envs
 from genserve.multimodal_gen.client import DiffusionEngineClient
 from genserve.multimodal_gen.messages import StepCacheConfig
 
-# Served when no --diffusion-model-path is given (built offline from configs, random weights).
-DEFAULT_MODELS = ("tiny-flux", "tiny-wan")
-# Every embedded name (mirrors embedded.EMBEDDED_NAMES, which imports torch).
-EMBEDDED_MODELS = ("tiny-flux", "tiny-wan", "tiny-sd3", "tiny-sd", "tiny-ltx")
+# Served when no --diffusion-model-path is given: the trained demo models (weights shipped in the
+# package, see genserve.demo_models), which draw what a prompt of their grammar says.
+DEFAULT_MODELS = ("shapes-image", "shapes-video")
+# Every model known by name: the demo models and the embedded random-weight pipelines (mirrors
+# embedded.EMBEDDED_NAMES, which imports torch).
+EMBEDDED_MODELS = ("shapes-image", "shapes-video", "tiny-flux", "tiny-wan", "tiny-sd3",
+                   "tiny-sd", "tiny-ltx")
 
 
 def worker_config_from_args(model_paths: list[str] | None, args: Any):

@@ -150,12 +150,15 @@ class ModelSpec:
     min_guidance: float = 0.0
     max_guidance: float = 30.0
     default_num_frames: int = 1
-    frame_rule: str = "1"  # "1" (images), "4k+1" (Wan), "8k+1" (LTX), "any"
+    frame_rule: str = "1"  # "1" (images), "4k+1" (Wan), "8k+1" (LTX), "any", "N" (exactly N)
     max_num_frames: int = 1
     default_fps: int | None = None
     supports_negative_prompt: bool = True
     supports_image_to_image: bool = False
     source: str = ""  # folder, hub id or "embedded"
+    square_only: bool = False  # width must equal height
+    native_size: str | None = None  # drawn at this size; larger sizes are upscaled (bilinear)
+    prompt_grammar: str | None = None  # the prompts the model understands, when it is narrow
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -171,8 +174,8 @@ class ModelSpec:
             return False
         if self.frame_rule == "any":
             return True
-        if self.frame_rule == "1":
-            return num_frames == 1
+        if self.frame_rule.isdigit():
+            return num_frames == int(self.frame_rule)
         k, _, one = self.frame_rule.partition("k+")
         return (num_frames - int(one)) % int(k) == 0
 
@@ -196,6 +199,13 @@ class ModelSpec:
                 frame_rule=self.frame_rule,
                 default_fps=self.default_fps,
             )
+        if self.square_only:
+            card["square_only"] = True
+        if self.native_size:
+            card["native_size"] = self.native_size
+            card["upscaling"] = "bilinear, from the native size to the requested size"
+        if self.prompt_grammar:
+            card["prompt_grammar"] = self.prompt_grammar
         return card
 
 

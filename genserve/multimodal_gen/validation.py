@@ -42,6 +42,11 @@ def _check_size(width: int, height: int, spec: ModelSpec) -> None:
                 f"{name} {value} is not a multiple of {f}, which model {spec.name} requires; "
                 f"use {lo} or {hi}"
             )
+    if spec.square_only and width != height:
+        raise ValueError(
+            f"model {spec.name} draws square pictures; width and height must be equal, got "
+            f"{width}x{height}"
+        )
     if width * height > spec.max_pixels:
         raise ValueError(
             f"size {width}x{height} has {width * height} pixels, over the cap of "
@@ -61,6 +66,9 @@ def _check_frames(num_frames: int, spec: ModelSpec) -> None:
             f"num_frames {num_frames} is over the cap of {spec.max_num_frames} for model "
             f"{spec.name}"
         )
+    if spec.frame_rule.isdigit():
+        raise ValueError(f"model {spec.name} makes exactly {spec.frame_rule} frames; "
+                         f"num_frames must be {spec.frame_rule}, got {num_frames}")
     k, _, one = spec.frame_rule.partition("k+")
     k_i, one_i = int(k), int(one)
     below = max(one_i, ((num_frames - one_i) // k_i) * k_i + one_i)

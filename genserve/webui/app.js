@@ -132,6 +132,10 @@
     if (card.default_steps) $("steps").value = card.default_steps;
     $("frames").value = card.task === "text-to-video" ? (card.default_num_frames || 1) : 1;
     if (card.default_fps) $("fps").value = card.default_fps;
+    // Narrow models (the trained demo models) say which prompts they understand.
+    const grammar = $("grammar");
+    grammar.hidden = !card.prompt_grammar;
+    grammar.textContent = card.prompt_grammar ? `Prompts this model understands: ${card.prompt_grammar}` : "";
   }
 
   // ---- user actions ----

@@ -170,10 +170,12 @@ def test_encoders_round_trip(tmp_path):
 
 def test_embedded_names_agree():
     pytest.importorskip("torch")
+    from genserve.demo_models.models import MODEL_NAMES
     from genserve.multimodal_gen.embedded import EMBEDDED_NAMES
-    from genserve.multimodal_gen.launch import EMBEDDED_MODELS
+    from genserve.multimodal_gen.launch import DEFAULT_MODELS, EMBEDDED_MODELS
 
-    assert EMBEDDED_NAMES == EMBEDDED_MODELS
+    assert tuple(MODEL_NAMES.values()) + EMBEDDED_NAMES == EMBEDDED_MODELS
+    assert set(DEFAULT_MODELS) == set(MODEL_NAMES.values())
 
 
 def test_request_step_cache_fills_in_from_the_server_default():

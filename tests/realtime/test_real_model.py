@@ -1,6 +1,6 @@
-"""Realtime video with the real embedded tiny video model (tiny-wan) through the real diffusion
-client and the full gateway app: the protocol over `websockets`, and the web UI in headless
-Chromium. One worker process serves the whole module."""
+"""Realtime video with the real default diffusion models (the trained demo models, as `genserve
+serve` loads them) through the real diffusion client and the full gateway app: the protocol over
+`websockets`, and the web UI in headless Chromium. One worker process serves the whole module."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import websockets
 
+from genserve.demo_models import world
+from genserve.demo_models.scorer import score_video
 from genserve.entrypoints.app import create_app
 from genserve.entrypoints.config import GatewayConfig
 from genserve.entrypoints.realtime.frames import FrameFormat
@@ -30,7 +32,7 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 def real_server():
     from genserve.multimodal_gen.launch import start_diffusion_client
 
-    client = start_diffusion_client(["tiny-wan"], SimpleNamespace())
+    client = start_diffusion_client(None, SimpleNamespace())  # the default models
     try:
         app = create_app(GatewayConfig(), [], client)
         with serve(app) as base:
@@ -39,9 +41,12 @@ def real_server():
         asyncio.run(client.shutdown())
 
 
+PROMPT = "a red circle moving right on a white background"
+
+
 def _start(**overrides):
-    start = dict(model="tiny-wan", prompt="a red cat walking in the city", width=64, height=64,
-                 num_frames=9, num_inference_steps=4, fps=8, seed=3)
+    start = dict(model="shapes-video", prompt=PROMPT, width=64, height=64,
+                 num_frames=16, num_inference_steps=4, fps=8, seed=3)
     start.update(overrides)
     return start
 
@@ -57,11 +62,11 @@ def test_real_model_session(real_server, fmt):
     for header, rgb in out.previews:
         assert header.format == FrameFormat[fmt.upper()]
         assert rgb.shape == (header.height, header.width, 3) and header.width > 0
-    assert [h.frame_index for h, _ in out.finals] == list(range(9))
+    assert [h.frame_index for h, _ in out.finals] == list(range(16))
     frames = np.stack([rgb for _, rgb in out.finals])
-    assert frames.shape == (9, 64, 64, 3)
-    assert frames.std() > 5  # a picture, not a flat fill
-    assert np.abs(frames[1:].astype(int) - frames[:-1].astype(int)).mean() > 0.5  # it moves
+    assert frames.shape == (16, 64, 64, 3)
+    if fmt == "rgb":  # lossless: the scorer sees what the model drew
+        assert score_video(frames, world.parse_prompt(PROMPT))["all"]
 
 
 async def _stop_then_restart(base: str) -> tuple[dict, Received]:
@@ -79,7 +84,7 @@ def test_real_model_stop_frees_the_worker(real_server):
     done, again = asyncio.run(_stop_then_restart(base))
     assert done == {"type": "done", "chunks": 0, "stopped": True}
     # The worker took the next request at once: the 100-step run did not keep it busy.
-    assert again.order[-1] == "json:done" and len(again.finals) == 9
+    assert again.order[-1] == "json:done" and len(again.finals) == 16
 
 
 # Samples the canvas after every final frame the page draws (signature = mean of each channel
@@ -110,7 +115,7 @@ _SAMPLER = """
 """
 
 
-def test_web_ui_plays_the_tiny_video_model(real_server):
+def test_web_ui_plays_the_demo_video_model(real_server):
     sync_api = pytest.importorskip("playwright.sync_api")
     base, _ = real_server
     ARTIFACTS.mkdir(exist_ok=True)
@@ -124,18 +129,22 @@ def test_web_ui_plays_the_tiny_video_model(real_server):
             page.goto(base + "/")
             page.wait_for_selector("#connection[data-status=open]", timeout=30_000)
             page.wait_for_function(
-                "document.querySelector('#model option[value=\"tiny-wan\"]') !== null",
+                "document.querySelector('#model option[value=\"shapes-video\"]') !== null",
                 timeout=30_000)
-            # The model list chose the video model and filled in its defaults.
-            assert page.input_value("#model") == "tiny-wan"
-            assert page.input_value("#frames") == "9" and page.input_value("#fps") == "8"
-            page.fill("#prompt", "a red cat walking in the city")
+            # The page chose the demo video model, filled in its defaults and shows the prompts
+            # it understands; the prompt box starts with one of them.
+            assert page.input_value("#model") == "shapes-video"
+            assert page.input_value("#frames") == "16" and page.input_value("#fps") == "8"
+            assert "moving {direction}" in page.text_content("#grammar")
+            assert world.parse_prompt(page.input_value("#prompt")) is not None
+            page.fill("#width", "64")
+            page.fill("#height", "64")
             page.fill("#seed", "5")
             page.evaluate(_SAMPLER)
             page.click("#start")
             page.wait_for_function(
                 "document.body.dataset.state === 'done' && "
-                "window.genserveRealtime.stats.finalsDrawn === 9", timeout=120_000)
+                "window.genserveRealtime.stats.finalsDrawn === 16", timeout=120_000)
             page.wait_for_timeout(300)
             page.screenshot(path=str(ARTIFACTS / "realtime_webui.png"), full_page=True)
             stats = page.evaluate("window.genserveRealtime.stats")
@@ -150,13 +159,13 @@ def test_web_ui_plays_the_tiny_video_model(real_server):
     assert progress == 1
     assert stats["previewsReceived"] >= 1
     # Every final frame shown (no drops), at the requested 8 fps (125 ms apart).
-    assert stats["finalsReceived"] == stats["finalsDrawn"] == 9
+    assert stats["finalsReceived"] == stats["finalsDrawn"] == 16
     gaps = np.diff(stats["finalDrawTimes"])
     assert 100 <= statistics.median(gaps) <= 160, gaps
     assert gaps.min() >= 85, gaps
     # The canvas shows pictures (not blank) that change from frame to frame.
-    assert len(samples) == 9
+    assert len(samples) == 16
     assert all(s["std"] > 1 and s["mean"] > 5 for s in samples), samples
-    assert len({s["check"] for s in samples}) >= 5, samples
+    assert len({s["check"] for s in samples}) >= 8, samples  # the shape moves
     assert readouts["chunk-time"].endswith("ms") and readouts["preview-latency"].endswith("ms")
     assert readouts["frame-bytes"] != "–"

@@ -1,6 +1,7 @@
 """Registry of supported diffusion pipeline families and the model loader.
 
-`load_model(path_or_name, ...)` accepts an embedded name (`tiny-flux`, `tiny-wan`), a diffusers
+`load_model(path_or_name, ...)` accepts an embedded name (`tiny-flux`, `tiny-wan`), a demo model
+name (`shapes-image`, `shapes-video`: trained weights shipped in the package), a diffusers
 folder (its `model_index.json` names the pipeline class) or a hub id (when allowed). Runs in the
 worker process (imports torch).
 """
@@ -16,11 +17,18 @@ from genserve.multimodal_gen.pipelines.flux import FluxFamily
 from genserve.multimodal_gen.pipelines.ltx import LTXFamily
 from genserve.multimodal_gen.pipelines.sd import StableDiffusionFamily
 from genserve.multimodal_gen.pipelines.sd3 import SD3Family
+from genserve.multimodal_gen.pipelines.shapes import ShapesImageFamily, ShapesVideoFamily
 from genserve.multimodal_gen.pipelines.wan import WanFamily
 
 FAMILIES: tuple[type[DiffusionFamily], ...] = (
-    FluxFamily, SD3Family, StableDiffusionFamily, WanFamily, LTXFamily,
+    FluxFamily, SD3Family, StableDiffusionFamily, WanFamily, LTXFamily, ShapesImageFamily,
+    ShapesVideoFamily,
 )
+# Pipeline classes genserve defines itself (diffusers cannot look them up by name).
+OWN_PIPELINES = {
+    "ShapesImagePipeline": "genserve.demo_models.pipeline",
+    "ShapesVideoPipeline": "genserve.demo_models.pipeline",
+}
 
 # Embedded models: a family, the builder name and spec defaults sized for a CPU.
 EMBEDDED_SPECS: dict[str, tuple[type[DiffusionFamily], dict]] = {
@@ -89,6 +97,16 @@ def load_model(path_or_name: str, options: LoadOptions | None = None,
         return family(name or path_or_name, pipe, "embedded", overrides)
     from diffusers import DiffusionPipeline
 
+    from genserve.demo_models.models import MODEL_NAMES
+
+    if path_or_name in MODEL_NAMES.values():  # a trained demo model shipped in the package
+        from genserve.demo_models.models import weights_path
+
+        kind = next(k for k, v in MODEL_NAMES.items() if v == path_or_name)
+        name = name or path_or_name
+        path_or_name = str(weights_path(kind))
+        if not (Path(path_or_name) / "model_index.json").is_file():
+            raise ValueError(f"the demo model's weights are missing from {path_or_name}")
     index = Path(path_or_name) / "model_index.json"
     if index.is_file():
         class_name = json.loads(index.read_text())["_class_name"]
@@ -100,7 +118,12 @@ def load_model(path_or_name: str, options: LoadOptions | None = None,
                              "folder with model_index.json (hub downloads are disabled)")
         class_name = DiffusionPipeline.load_config(path_or_name)["_class_name"]
     family = family_for_class(class_name)
-    pipe = DiffusionPipeline.from_pretrained(path_or_name, torch_dtype=dtype)
+    pipe_cls = DiffusionPipeline
+    if class_name in OWN_PIPELINES:
+        import importlib
+
+        pipe_cls = getattr(importlib.import_module(OWN_PIPELINES[class_name]), class_name)
+    pipe = pipe_cls.from_pretrained(path_or_name, torch_dtype=dtype)
     if options.cpu_offload and device.type == "cuda":
         pipe.enable_model_cpu_offload(device=device)
     else:

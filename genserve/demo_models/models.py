@@ -1,0 +1,69 @@
+"""Configs of the two demo models and their word-level tokenizer; where the trained weights live."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from genserve.demo_models.world import NUM_FRAMES, SIZE, VOCAB
+
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+KINDS = ("image", "video")
+MODEL_NAMES = {"image": "shapes-image", "video": "shapes-video"}
+
+# Transformer sizes (pixel space, 32x32): patch 4 gives an 8x8 token grid (patch 2 trained
+# 7x slower on a CPU).
+TRANSFORMER_CONFIGS = {
+    "image": dict(num_attention_heads=4, attention_head_dim=32, num_layers=6, patch_size=4),
+    "video": dict(num_attention_heads=6, attention_head_dim=32, num_layers=6, patch_size=4),
+}
+TEXT_DIM = 64
+
+
+def weights_path(kind: str) -> Path:
+    return WEIGHTS_DIR / MODEL_NAMES[kind]
+
+
+def build_tokenizer():
+    """Word-level, lower-cased, punctuation split off; unknown words -> [UNK]; ends with </s>."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "</s>", "[UNK]"]
+    vocab = {tok: i for i, tok in enumerate(specials + VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", special_tokens=[("</s>", vocab["</s>"])])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=16, pad_token="<pad>",
+                                   eos_token="</s>", unk_token="[UNK]")
+
+
+def build_pipeline(kind: str):
+    """A fresh (untrained) demo pipeline of `kind` ("image" or "video")."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, PixArtTransformer2DModel
+    from transformers import T5Config, T5EncoderModel
+
+    from genserve.demo_models.pipeline import ShapesImagePipeline, ShapesVideoPipeline
+
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    tokenizer = build_tokenizer()
+    text_encoder = T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer), d_model=TEXT_DIM, d_kv=TEXT_DIM // 2, d_ff=2 * TEXT_DIM,
+        num_layers=2, num_heads=2, relative_attention_num_buckets=8, dropout_rate=0.0,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    channels = 3 * (NUM_FRAMES if kind == "video" else 1)
+    cfg = TRANSFORMER_CONFIGS[kind]
+    transformer = PixArtTransformer2DModel(
+        in_channels=channels, out_channels=channels, sample_size=SIZE,
+        cross_attention_dim=cfg["num_attention_heads"] * cfg["attention_head_dim"],
+        caption_channels=TEXT_DIM, norm_num_groups=1, use_additional_conditions=False,
+        interpolation_scale=1, **cfg)
+    cls = ShapesVideoPipeline if kind == "video" else ShapesImagePipeline
+    return cls(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
+               scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0))
+
+# Serving defaults: classifier-free guidance and denoising steps.
+DEFAULT_GUIDANCE = 4.0
+DEFAULT_STEPS = 8

@@ -1,0 +1,232 @@
+"""Train a demo model on the procedural shapes world and export it as a diffusers folder.
+
+    python -m genserve.demo_models.train image --minutes 45
+    python -m genserve.demo_models.train video --minutes 60 --export genserve/demo_models/weights
+
+Rectified flow in pixel space: x_s = (1 - s) x0 + s noise, the transformer predicts
+noise - x0; s is drawn logit-normal. Prompts are dropped 10% of the time so classifier-free
+guidance works, and shape pixels weigh more than background pixels in the loss (they are a small
+part of the frame but all of the meaning). The text encoder trains jointly. An exponential moving
+average of the weights is what gets exported.
+
+Runs until `--steps` or the wall-time budget `--minutes`, whichever comes first, with a progress
+bar; a checkpoint is written every `--checkpoint-minutes` and at the end, and a later run with
+the same `--work-dir` resumes from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from genserve.demo_models import world
+from genserve.demo_models.models import KINDS, MODEL_NAMES, build_pipeline
+
+FG_WEIGHT = 4.0
+PROMPT_DROPOUT = 0.1
+
+
+def make_batch(kind: str, scenes: list[world.Scene], size: int, rng: random.Random,
+               nrng: np.random.Generator) -> tuple[torch.Tensor, list[str], torch.Tensor]:
+    """(pixels in [-1, 1] [B, 3F, 32, 32], prompts, foreground mask [B, 1, 32, 32])."""
+    pics, prompts, masks = [], [], []
+    for _ in range(size):
+        scene = scenes[rng.randrange(len(scenes))]
+        if kind == "video":
+            frames = world.render_video(scene, nrng)  # [F, H, W, 3]
+        else:
+            frames = world.render_image(scene, nrng)[None]
+        bg = np.array(world.BACKGROUNDS[scene.background], np.int16)
+        fg = (np.abs(frames.astype(np.int16) - bg).max(axis=-1) > 8).any(axis=0)
+        pics.append(frames.transpose(0, 3, 1, 2).reshape(-1, *frames.shape[1:3]))
+        masks.append(fg)
+        prompts.append("" if rng.random() < PROMPT_DROPOUT else scene.prompt())
+    x = torch.from_numpy(np.stack(pics)).float() / 127.5 - 1.0
+    m = torch.from_numpy(np.stack(masks)).float()[:, None]
+    return x, prompts, m
+
+
+def _budget_frac(t_start: float, deadline: float, steps_done: int, steps: int | None) -> float:
+    frac = (time.time() - t_start) / max(deadline - t_start, 1e-9)
+    if steps is not None:
+        frac = max(frac, steps_done / max(steps, 1))
+    return frac
+
+
+class _StopFlag:
+    """Becomes true on SIGINT / SIGTERM so the loop ends at a step boundary and saves."""
+
+    def __init__(self) -> None:
+        self._stop = False
+        self._old = {sig: signal.signal(sig, self._set) for sig in (signal.SIGINT,
+                                                                    signal.SIGTERM)}
+
+    def _set(self, signum, frame) -> None:
+        print(f"\nsignal {signum}: stopping after this step", flush=True)
+        self._stop = True
+
+    def __bool__(self) -> bool:
+        return self._stop
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _lr(step: int, base: float, warmup: int, decay_frac: float | None) -> float:
+    """Linear warm-up, then constant, or a cosine to zero over the run when `decay_frac` (the
+    fraction of the budget used so far) is given."""
+    lr = base * min(1.0, (step + 1) / warmup)
+    if decay_frac is not None:
+        lr *= 0.5 * (1.0 + math.cos(math.pi * min(decay_frac, 1.0)))
+    return lr
+
+
+def sample_sigmas(b: int, uniform_frac: float) -> torch.Tensor:
+    """Noise levels: logit-normal (most weight mid-way), a `uniform_frac` share uniform (so the
+    low-noise end, where edges are decided, is trained too)."""
+    sigma = torch.sigmoid(torch.randn(b))
+    uniform = torch.rand(b) < uniform_frac
+    return torch.where(uniform, torch.rand(b).clamp(1e-3, 1.0), sigma)
+
+
+def train(args: argparse.Namespace) -> Path:
+    torch.manual_seed(args.seed)
+    kind = args.kind
+    work = Path(args.work_dir) / MODEL_NAMES[kind]
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt_path = work / "checkpoint.pt"
+    pipe = build_pipeline(kind)
+    modules = torch.nn.ModuleDict({"text_encoder": pipe.text_encoder,
+                                   "transformer": pipe.transformer})
+    ema = copy.deepcopy(modules).requires_grad_(False)
+    opt = torch.optim.AdamW(modules.parameters(), lr=args.lr, weight_decay=0.0,
+                            betas=(0.9, 0.99))
+    step = 0
+    rng = random.Random(args.seed)
+    if ckpt_path.exists() and not args.restart:
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        modules.load_state_dict(state["model"])
+        ema.load_state_dict(state["ema"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+        rng.setstate(state["rng"])
+        print(f"resumed {kind} from {ckpt_path} at step {step}")
+    nrng = np.random.default_rng(args.seed + step)
+    n_params = sum(p.numel() for p in modules.parameters())
+    print(f"training {MODEL_NAMES[kind]}: {n_params / 1e6:.2f}M parameters, batch "
+          f"{args.batch_size}, budget {args.minutes} min / {args.steps} steps")
+    scenes = world.training_scenes(kind == "video")
+
+    def save() -> None:
+        tmp = ckpt_path.with_suffix(".tmp")
+        torch.save({"model": modules.state_dict(), "ema": ema.state_dict(),
+                    "opt": opt.state_dict(), "step": step, "rng": rng.getstate()}, tmp)
+        tmp.replace(ckpt_path)
+
+    from tqdm import tqdm
+
+    t_start = time.time()
+    t_ckpt = t_start
+    first_step = step
+    deadline = t_start + args.minutes * 60
+    # Without a step budget the bar counts steps and shows the rate; the budget is wall time.
+    bar = tqdm(total=args.steps, initial=step, desc=f"train {MODEL_NAMES[kind]}",
+               unit="step", dynamic_ncols=True)
+    loss_avg = None
+    modules.train()
+    stop = _StopFlag()
+    while (not stop and (args.steps is None or step < args.steps)
+           and time.time() < deadline):
+        x0, prompts, fg = make_batch(kind, scenes, args.batch_size, rng, nrng)
+        b = x0.shape[0]
+        sigma = sample_sigmas(b, args.uniform_sigma)
+        noise = torch.randn_like(x0)
+        s = sigma.view(b, 1, 1, 1)
+        xt = (1 - s) * x0 + s * noise
+        emb, mask = pipe.encode_prompt(prompts, torch.device("cpu"))
+        pred = pipe.predict(xt, sigma, emb, mask)
+        weight = 1.0 + (FG_WEIGHT - 1.0) * fg
+        loss = (weight * (pred - (noise - x0)) ** 2).mean()
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, args.lr, args.warmup, _budget_frac(
+                t_start, deadline, step - first_step, args.steps) if args.cosine else None)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(modules.parameters(), 1.0)
+        opt.step()
+        step += 1
+        decay = min(args.ema, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for pe, pm in zip(ema.parameters(), modules.parameters()):
+                pe.lerp_(pm, 1.0 - decay)
+        loss_avg = loss.item() if loss_avg is None else 0.98 * loss_avg + 0.02 * loss.item()
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_avg:.4f}")
+        if time.time() - t_ckpt > args.checkpoint_minutes * 60:
+            save()
+            t_ckpt = time.time()
+    bar.close()
+    stop.restore()
+    save()
+    print(f"stopped at step {step} after {(time.time() - t_start) / 60:.1f} min; "
+          f"loss {loss_avg if loss_avg is not None else float('nan'):.4f}")
+    return export(pipe, ema, Path(args.export) / MODEL_NAMES[kind], args.fp16)
+
+
+def export(pipe, ema: torch.nn.ModuleDict, out: Path, fp16: bool) -> Path:
+    """Write the EMA weights as a diffusers folder (fp16 tensors when `fp16`)."""
+    pipe.text_encoder.load_state_dict(ema["text_encoder"].state_dict())
+    pipe.transformer.load_state_dict(ema["transformer"].state_dict())
+    pipe.text_encoder.eval()
+    pipe.transformer.eval()
+    if fp16:
+        pipe = pipe.to(torch.float16)
+    out.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(out, safe_serialization=True)
+    print(f"exported {out}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    from genserve.demo_models.models import WEIGHTS_DIR
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("kind", choices=KINDS)
+    p.add_argument("--minutes", type=float, default=45.0, help="wall-time budget")
+    p.add_argument("--steps", type=int, default=None, help="step budget (default: none)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--cosine", action="store_true",
+                   help="decay the learning rate to zero over this run's budget (a final run)")
+    p.add_argument("--uniform-sigma", type=float, default=0.0,
+                   help="share of noise levels drawn uniformly instead of logit-normal")
+    p.add_argument("--ema", type=float, default=0.995)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", default="demo_train", help="checkpoints (resumed from)")
+    p.add_argument("--restart", action="store_true", help="ignore an existing checkpoint")
+    p.add_argument("--checkpoint-minutes", type=float, default=5.0)
+    p.add_argument("--export", default=str(WEIGHTS_DIR), help="folder for the diffusers export")
+    p.add_argument("--no-fp16", dest="fp16", action="store_false",
+                   help="export float32 weights instead of float16")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not math.isfinite(args.minutes) or args.minutes <= 0:
+        p.error("--minutes must be positive")
+    train(args)
+
+
+if __name__ == "__main__":
+    main()

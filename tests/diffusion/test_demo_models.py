@@ -1,0 +1,177 @@
+"""The trained demo models (shapes-image, shapes-video): the scorer, the committed weights drawing
+what the prompt says on prompts held out of training, and serving them over HTTP."""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from genserve.demo_models import scorer, world
+from genserve.multimodal_gen.launch import DEFAULT_MODELS
+from tests.diffusion.helpers import error_of
+
+# Fixed held-out prompts and seeds; thresholds are loose (the full evaluation is
+# `python -m genserve.demo_models.evaluate`) but far above what noise scores.
+IMAGE_SCENES = world.held_out(video=False)[:12]
+VIDEO_SCENES = world.held_out(video=True)[:6]
+
+
+def test_scorer_reads_the_generators_own_pictures():
+    rng = np.random.default_rng(7)
+    images = [scorer.score_image(world.render_image(s, rng), s)
+              for s in world.all_scenes(video=False)]
+    videos = [scorer.score_video(world.render_video(s, rng), s)
+              for s in world.all_scenes(video=True)]
+    assert scorer.summarize(images)["all"] >= 0.98
+    assert scorer.summarize(videos)["all"] >= 0.98
+
+
+def test_scorer_rejects_noise_and_wrong_prompts():
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    scene = world.Scene("red", "circle", "white", position="center")
+    assert not scorer.score_image(noise, scene)["all"]
+    image = world.render_image(scene)
+    assert scorer.score_image(image, scene)["all"]
+    wrong = world.Scene("blue", "square", "black", position="top left")
+    assert scorer.score_image(image, wrong) == {
+        "colour": False, "shape": False, "background": False, "position": False, "all": False}
+    still = np.stack([image] * 16)
+    clip = world.Scene("red", "circle", "white", direction="right")
+    result = scorer.score_video(still, clip)
+    assert not result["direction"] and not result["frames_differ"]
+
+
+def test_prompt_grammar_round_trips():
+    for scene in world.all_scenes(False) + world.all_scenes(True):
+        assert world.parse_prompt(scene.prompt()) == scene
+    assert world.parse_prompt("A Red Circle on a White background, Top Left.") == world.Scene(
+        "red", "circle", "white", position="top left")
+    assert world.parse_prompt("a red cat on a white background, top") is None
+    assert world.parse_prompt("a red circle moving sideways on a white background") is None
+
+
+def test_held_out_prompts_are_never_trained_on():
+    for video in (False, True):
+        held = set(world.held_out(video))
+        assert len(held) == 60
+        assert not held & set(world.training_scenes(video))
+
+
+@pytest.fixture(scope="module")
+def image_pipe():
+    from genserve.demo_models.evaluate import load
+
+    return load("image")
+
+
+def test_committed_image_model_draws_held_out_prompts(image_pipe):
+    from genserve.demo_models.evaluate import generate
+
+    outs = generate(image_pipe, IMAGE_SCENES, steps=8, guidance=4.0, seed=100)
+    scores = scorer.summarize([scorer.score_image(o, s) for o, s in zip(outs, IMAGE_SCENES)])
+    assert scores["colour"] >= 0.75 and scores["background"] >= 0.75, scores
+    assert scores["shape"] >= 0.6 and scores["position"] >= 0.5, scores
+    assert scores["all"] >= 0.4, scores
+
+
+def test_committed_video_model_moves_the_shape():
+    from genserve.demo_models.evaluate import generate, load
+
+    pipe = load("video")
+    outs = generate(pipe, VIDEO_SCENES, steps=8, guidance=4.0, seed=200)
+    assert outs[0].shape == (world.NUM_FRAMES, 32, 32, 3)
+    scores = scorer.summarize([scorer.score_video(o, s) for o, s in zip(outs, VIDEO_SCENES)])
+    assert scores["colour"] >= 0.66 and scores["background"] >= 0.66, scores
+    assert scores["direction"] >= 0.5 and scores["frames_differ"] == 1.0, scores
+
+
+def test_same_seed_same_pixels_batched_or_alone(image_pipe):
+    import torch
+
+    prompts = [s.prompt() for s in IMAGE_SCENES[:3]]
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    batched = image_pipe(prompts, num_inference_steps=4, generator=gens).frames
+    alone = image_pipe(prompts[1], num_inference_steps=4,
+                       generator=torch.Generator().manual_seed(1)).frames
+    assert np.array_equal(batched[1], alone[0])
+    assert not np.array_equal(batched[0], batched[1])
+
+
+# ---- served over HTTP (the session's worker serves the demo models next to tiny-flux) ----
+
+
+def test_default_models_are_the_demo_models():
+    assert DEFAULT_MODELS == ("shapes-image", "shapes-video")
+
+
+def test_models_list_the_demo_models_with_their_grammar(http):
+    models = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    image, video = models["shapes-image"], models["shapes-video"]
+    assert image["task"] == "text-to-image" and video["task"] == "text-to-video"
+    assert image["prompt_grammar"].startswith(world.IMAGE_GRAMMAR)
+    assert video["prompt_grammar"].startswith(world.VIDEO_GRAMMAR)
+    for card in (image, video):
+        assert card["native_size"] == "32x32" and "bilinear" in card["upscaling"]
+        assert card["square_only"] is True
+    assert video["frame_rule"] == "16" and video["default_num_frames"] == 16
+
+
+def _image(http, scene: world.Scene, seed: int, size: str = "32x32") -> np.ndarray:
+    r = http.post("/v1/images/generations", json={
+        "model": "shapes-image", "prompt": scene.prompt(), "size": size, "seed": seed,
+        "num_inference_steps": 8})
+    assert r.status_code == 200, r.text
+    data = base64.b64decode(r.json()["data"][0]["b64_json"])
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def test_image_endpoint_serves_the_demo_model(http):
+    native = [_image(http, s, seed=100 + i) for i, s in enumerate(IMAGE_SCENES[:4])]
+    outs = [scorer.score_image(img, s) for img, s in zip(native, IMAGE_SCENES)]
+    assert sum(o["background"] for o in outs) >= 3, outs
+    # Larger sizes are the native picture upscaled: the same picture, bigger.
+    big = _image(http, IMAGE_SCENES[0], seed=100, size="128x128")
+    assert big.shape == (128, 128, 3)
+    small = np.asarray(Image.fromarray(big).resize((32, 32), Image.BOX)).astype(int)
+    assert np.abs(small - native[0].astype(int)).mean() < 8
+
+
+def test_demo_models_reject_what_they_cannot_draw(http):
+    r = http.post("/v1/images/generations", json={
+        "model": "shapes-image", "prompt": "a red circle", "size": "64x32"})
+    assert r.status_code == 400 and "square" in error_of(r)["message"]
+    r = http.post("/v1/images/generations", json={
+        "model": "shapes-image", "prompt": "a red circle", "size": "48x48"})
+    assert r.status_code == 400 and "multiple of 32" in error_of(r)["message"]
+    r = http.post("/v1/videos", json={
+        "model": "shapes-video", "prompt": "a red circle moving up on a white background",
+        "num_frames": 9})
+    assert r.status_code == 400 and "exactly 16 frames" in error_of(r)["message"]
+
+
+def test_video_job_serves_the_demo_model(http, tmp_path):
+    import imageio_ffmpeg
+
+    scene = VIDEO_SCENES[0]
+    r = http.post("/v1/videos", json={"model": "shapes-video", "prompt": scene.prompt(),
+                                      "size": "64x64", "seed": 200, "num_inference_steps": 8})
+    assert r.status_code == 200, r.text
+    video_id = r.json()["id"]
+    deadline = time.time() + 60
+    while http.get(f"/v1/videos/{video_id}").json()["status"] != "completed":
+        assert time.time() < deadline
+        time.sleep(0.1)
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(http.get(f"/v1/videos/{video_id}/content").content)
+    reader = imageio_ffmpeg.read_frames(str(path))
+    meta = next(reader)
+    frames = np.stack([np.frombuffer(f, np.uint8).reshape(64, 64, 3) for f in reader])
+    assert meta["size"] == (64, 64) and frames.shape[0] == world.NUM_FRAMES
+    result = scorer.score_video(frames, scene)
+    assert result["frames_differ"] and result["background"], result
