@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="HTTP side (default: every request at once, like the offline batch).")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--log-level", default="warning",
+                   help="Scheduler log level of both engines (debug traces every step).")
 
 
 def _offline(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
@@ -72,7 +74,8 @@ class _GatewayThread:
         engine = None
         try:
             engine = AsyncEngine(EngineArgs(model_path=self.args.model_path,
-                                            dtype=self.args.dtype), log_level="warning")
+                                            dtype=self.args.dtype),
+                                 log_level=self.args.log_level)
             self._server = uvicorn.Server(uvicorn.Config(
                 create_app(GatewayConfig(), [engine]), host="127.0.0.1", port=0,
                 log_level="warning", lifespan="off"))
@@ -104,6 +107,10 @@ class _GatewayThread:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.basicConfig(format="%(asctime)s %(levelname)s [%(name)s] %(message)s")
+    logging.getLogger("genserve").setLevel(args.log_level.upper())
     workload = shared_prefix_dataset(args.groups, args.per_group, args.system_len,
                                      args.question_len, args.output_len, seed=0)
     texts = [to_prompt(r).text for r in workload]

@@ -110,11 +110,22 @@ class Scheduler:
     def step(self) -> list[ReqOutput]:
         outputs: list[ReqOutput] = []
         self._reap_aborted(outputs)
+        t0 = time.perf_counter()
         batch = self._schedule_prefill()
         if batch:
-            self._run_prefill(batch, self._mix_in_decode(batch), outputs)
+            mixed = self._mix_in_decode(batch)
+            self._run_prefill(batch, mixed, outputs)
+            n_new = len(batch) - len(mixed)  # mixed-in decodes are 1-token extends in `batch`
+            what = f"prefill {n_new} reqs {sum(e for _, _, e in batch) - len(mixed)} tokens"
+            what += f" + decode {len(mixed)}" if mixed else ""
         elif self.running:
+            what = f"decode {len(self.running)}"
             self._run_decode(outputs)
+        else:
+            return outputs
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("step %s: %.1f ms, %d waiting", what, (time.perf_counter() - t0) * 1e3,
+                         len(self.waiting))
         return outputs
 
     def _reap_aborted(self, outputs: list[ReqOutput]) -> None:
