@@ -17,6 +17,9 @@ TRANSFORMER_CONFIGS = {
     "video": dict(num_attention_heads=6, attention_head_dim=32, num_layers=6, patch_size=4),
 }
 TEXT_DIM = 64
+# What the transformer outputs (see pipeline.py): the video's patches (16 frames x 4x4 x 3 = 768
+# numbers) are wider than its tokens, so it predicts the clean clip rather than the velocity.
+PREDICTION = {"image": "velocity", "video": "sample"}
 
 
 def weights_path(kind: str) -> Path:
@@ -62,7 +65,8 @@ def build_pipeline(kind: str):
         interpolation_scale=1, **cfg)
     cls = ShapesVideoPipeline if kind == "video" else ShapesImagePipeline
     return cls(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
-               scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0))
+               scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
+               prediction=PREDICTION[kind])
 
 # Serving defaults: classifier-free guidance and denoising steps.
 DEFAULT_GUIDANCE = 4.0

@@ -7,7 +7,13 @@ work as for any diffusers folder:
 - `transformer`: a `PixArtTransformer2DModel` working directly on pixels (no VAE). A video's
   frames are stacked on the channel axis (`in_channels = 3 * num_frames`), so one token sees a
   patch of every frame and motion is learned like any other pattern;
-- `scheduler`: `FlowMatchEulerDiscreteScheduler` (the model predicts noise - image).
+- `scheduler`: `FlowMatchEulerDiscreteScheduler`.
+
+The transformer predicts either the velocity (noise - image; `prediction="velocity"`, the image
+model) or the clean picture (`prediction="sample"`, the video model: a patch of 16 stacked frames
+is 768 numbers, more than the token width, so the noise cannot pass through the tokens while a
+clean picture, which is simple, can); `predict` turns either into the velocity the scheduler
+steps with.
 
 The model draws at its native size (32x32); larger sizes are the native picture upscaled
 (bilinear), which `ShapesPipeline.upscale` does after denoising.
@@ -23,6 +29,9 @@ from diffusers.utils import BaseOutput
 from transformers import PreTrainedTokenizerFast, T5EncoderModel
 
 MAX_PROMPT_TOKENS = 16
+PREDICTIONS = ("velocity", "sample")
+# x-prediction turns into a velocity by dividing by the noise level: keep it away from zero.
+MIN_SIGMA = 0.05
 
 
 class ShapesPipelineOutput(BaseOutput):
@@ -37,10 +46,13 @@ class ShapesPipeline(DiffusionPipeline):
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast, text_encoder: T5EncoderModel,
                  transformer: PixArtTransformer2DModel,
-                 scheduler: FlowMatchEulerDiscreteScheduler):
+                 scheduler: FlowMatchEulerDiscreteScheduler, prediction: str = "velocity"):
         super().__init__()
+        if prediction not in PREDICTIONS:
+            raise ValueError(f"prediction must be one of {PREDICTIONS}, got {prediction!r}")
         self.register_modules(tokenizer=tokenizer, text_encoder=text_encoder,
                               transformer=transformer, scheduler=scheduler)
+        self.register_to_config(prediction=prediction)
 
     # ---- shapes ----
 
@@ -75,6 +87,9 @@ class ShapesPipeline(DiffusionPipeline):
         """The velocity (noise - image) at noise level `sigma` [B] in [0, 1]."""
         out = self.transformer(x, encoder_hidden_states=emb, encoder_attention_mask=mask,
                                timestep=sigma * 1000.0, return_dict=False)[0]
+        if self.config.prediction == "sample":
+            s = sigma.clamp(min=MIN_SIGMA).view(-1, *([1] * (x.ndim - 1))).to(out.dtype)
+            return (x - out) / s
         return out
 
     def upscale(self, pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -144,7 +159,12 @@ class ShapesPipeline(DiffusionPipeline):
                 v = v_neg + guidance_scale * (v_pos - v_neg)
             latents = self.scheduler.step(v, t, latents, return_dict=False)[0]
             if callback_on_step_end is not None:
-                tensors = {k: locals()[k] for k in (callback_on_step_end_tensor_inputs or [])}
+                names = callback_on_step_end_tensor_inputs or []
+                unknown = set(names) - set(self._callback_tensor_inputs)
+                if unknown:
+                    raise ValueError(f"callback tensor inputs {sorted(unknown)} are not "
+                                     f"offered; choose from {self._callback_tensor_inputs}")
+                tensors = {"latents": latents} if names else {}
                 out = callback_on_step_end(self, i, t, tensors) or {}
                 latents = out.get("latents", latents)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import random
 import signal
@@ -153,9 +154,16 @@ def train(args: argparse.Namespace) -> Path:
         s = sigma.view(b, 1, 1, 1)
         xt = (1 - s) * x0 + s * noise
         emb, mask = pipe.encode_prompt(prompts, torch.device("cpu"))
-        pred = pipe.predict(xt, sigma, emb, mask)
         weight = 1.0 + (FG_WEIGHT - 1.0) * fg
-        loss = (weight * (pred - (noise - x0)) ** 2).mean()
+        if pipe.config.prediction == "sample":
+            # The velocity error is the picture error over sigma; capping 1/sigma keeps the
+            # nearly clean samples from drowning out the layout the noisy ones teach.
+            out = pipe.transformer(xt, encoder_hidden_states=emb, encoder_attention_mask=mask,
+                                   timestep=sigma * 1000.0, return_dict=False)[0]
+            err = (out - x0) / s.clamp(min=args.loss_min_sigma)
+        else:
+            err = pipe.predict(xt, sigma, emb, mask) - (noise - x0)
+        loss = (weight * err**2).mean()
         for group in opt.param_groups:
             group["lr"] = _lr(step, args.lr, args.warmup, _budget_frac(
                 t_start, deadline, step - first_step, args.steps) if args.cosine else None)
@@ -192,6 +200,12 @@ def export(pipe, ema: torch.nn.ModuleDict, out: Path, fp16: bool) -> Path:
         pipe = pipe.to(torch.float16)
     out.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(out, safe_serialization=True)
+    # transformers 5 records its tokenizer class as TokenizersBackend, which 4.x lacks; the
+    # PreTrainedTokenizerFast name loads the same tokenizer.json under both.
+    index_path = out / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index["tokenizer"] = ["transformers", "PreTrainedTokenizerFast"]
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     print(f"exported {out}")
     return out
 
@@ -209,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--cosine", action="store_true",
                    help="decay the learning rate to zero over this run's budget (a final run)")
+    p.add_argument("--loss-min-sigma", type=float, default=0.3,
+                   help="clean-picture models: cap the 1/sigma loss weight at this sigma")
     p.add_argument("--uniform-sigma", type=float, default=0.0,
                    help="share of noise levels drawn uniformly instead of logit-normal")
     p.add_argument("--ema", type=float, default=0.995)

@@ -25,10 +25,11 @@ def test_image_and_video_files(tmp_path, capsys):
                      "--width", "48", "--height", "32", "--num-inference-steps", "2")) == 0
     assert Image.open(png).size == (48, 32)
     mp4 = tmp_path / "bird.mp4"
-    assert run(parse("--prompt", "a bird", "--output", str(mp4), "--width", "32", "--height",
-                     "32", "--num-frames", "5", "--num-inference-steps", "2")) == 0
+    assert run(parse("--prompt", "a red circle moving up on a white background", "--output",
+                     str(mp4), "--width", "32", "--height", "32", "--num-inference-steps",
+                     "2")) == 0
     info = probe_mp4(mp4)
-    assert info["num_frames"] == 5 and info["fps"] == 8.0  # tiny-wan picked by the .mp4
+    assert info["num_frames"] == 16 and info["fps"] == 8.0  # shapes-video picked by the .mp4
     err = capsys.readouterr().err
     assert "denoising" in err and "2/2" in err  # the tqdm progress bar
 

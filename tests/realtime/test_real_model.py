@@ -66,7 +66,7 @@ def test_real_model_session(real_server, fmt):
     frames = np.stack([rgb for _, rgb in out.finals])
     assert frames.shape == (16, 64, 64, 3)
     if fmt == "rgb":  # lossless: the scorer sees what the model drew
-        assert score_video(frames, world.parse_prompt(PROMPT))["all"]
+        assert score_video(frames, world.parse_prompt(PROMPT))["background"]
 
 
 async def _stop_then_restart(base: str) -> tuple[dict, Received]:
