@@ -20,6 +20,9 @@ TEXT_DIM = 64
 # What the transformer outputs (see pipeline.py): the video's patches (16 frames x 4x4 x 3 = 768
 # numbers) are wider than its tokens, so it predicts the clean clip rather than the velocity.
 PREDICTION = {"image": "velocity", "video": "sample"}
+# Serving defaults: classifier-free guidance and denoising steps.
+DEFAULT_GUIDANCE = 4.0
+DEFAULT_STEPS = 8
 
 
 def weights_path(kind: str) -> Path:
@@ -67,7 +70,3 @@ def build_pipeline(kind: str):
     return cls(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
                scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
                prediction=PREDICTION[kind])
-
-# Serving defaults: classifier-free guidance and denoising steps.
-DEFAULT_GUIDANCE = 4.0
-DEFAULT_STEPS = 8

@@ -28,6 +28,8 @@ from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, PixArt
 from diffusers.utils import BaseOutput
 from transformers import PreTrainedTokenizerFast, T5EncoderModel
 
+from genserve.demo_models.models import DEFAULT_GUIDANCE, DEFAULT_STEPS
+
 MAX_PROMPT_TOKENS = 16
 PREDICTIONS = ("velocity", "sample")
 # x-prediction turns into a velocity by dividing by the noise level: keep it away from zero.
@@ -82,11 +84,16 @@ class ShapesPipeline(DiffusionPipeline):
 
     # ---- denoising ----
 
+    def raw_output(self, x: torch.Tensor, sigma: torch.Tensor, emb: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+        """What the transformer predicts (see `prediction`) at noise level `sigma` [B]."""
+        return self.transformer(x, encoder_hidden_states=emb, encoder_attention_mask=mask,
+                                timestep=sigma * 1000.0, return_dict=False)[0]
+
     def predict(self, x: torch.Tensor, sigma: torch.Tensor, emb: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
         """The velocity (noise - image) at noise level `sigma` [B] in [0, 1]."""
-        out = self.transformer(x, encoder_hidden_states=emb, encoder_attention_mask=mask,
-                               timestep=sigma * 1000.0, return_dict=False)[0]
+        out = self.raw_output(x, sigma, emb, mask)
         if self.config.prediction == "sample":
             s = sigma.clamp(min=MIN_SIGMA).view(-1, *([1] * (x.ndim - 1))).to(out.dtype)
             return (x - out) / s
@@ -109,8 +116,8 @@ class ShapesPipeline(DiffusionPipeline):
         height: int | None = None,
         width: int | None = None,
         num_frames: int | None = None,
-        num_inference_steps: int = 8,
-        guidance_scale: float = 4.0,
+        num_inference_steps: int = DEFAULT_STEPS,
+        guidance_scale: float = DEFAULT_GUIDANCE,
         generator: torch.Generator | list[torch.Generator] | None = None,
         latents: torch.Tensor | None = None,
         output_type: str = "np",
@@ -134,6 +141,11 @@ class ShapesPipeline(DiffusionPipeline):
         if num_frames is not None and num_frames != self.num_frames:
             raise ValueError(f"this model makes exactly {self.num_frames} frame(s), "
                              f"not {num_frames}")
+        tensor_names = callback_on_step_end_tensor_inputs or []
+        unknown = set(tensor_names) - set(self._callback_tensor_inputs)
+        if unknown:
+            raise ValueError(f"callback tensor inputs {sorted(unknown)} are not offered; "
+                             f"choose from {self._callback_tensor_inputs}")
         device = self._execution_device
         dtype = self.transformer.dtype
         use_cfg = guidance_scale > 1.0
@@ -159,12 +171,7 @@ class ShapesPipeline(DiffusionPipeline):
                 v = v_neg + guidance_scale * (v_pos - v_neg)
             latents = self.scheduler.step(v, t, latents, return_dict=False)[0]
             if callback_on_step_end is not None:
-                names = callback_on_step_end_tensor_inputs or []
-                unknown = set(names) - set(self._callback_tensor_inputs)
-                if unknown:
-                    raise ValueError(f"callback tensor inputs {sorted(unknown)} are not "
-                                     f"offered; choose from {self._callback_tensor_inputs}")
-                tensors = {"latents": latents} if names else {}
+                tensors = {"latents": latents} if tensor_names else {}
                 out = callback_on_step_end(self, i, t, tensors) or {}
                 latents = out.get("latents", latents)
 
@@ -209,4 +216,3 @@ def _noise(shape: tuple[int, ...], generator: Any, device: torch.device,
         gen_device = generator.device if generator is not None else device
         x = torch.randn(shape, generator=generator, device=gen_device, dtype=torch.float32)
     return x.to(device=device, dtype=dtype)
-

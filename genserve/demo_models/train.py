@@ -158,8 +158,7 @@ def train(args: argparse.Namespace) -> Path:
         if pipe.config.prediction == "sample":
             # The velocity error is the picture error over sigma; capping 1/sigma keeps the
             # nearly clean samples from drowning out the layout the noisy ones teach.
-            out = pipe.transformer(xt, encoder_hidden_states=emb, encoder_attention_mask=mask,
-                                   timestep=sigma * 1000.0, return_dict=False)[0]
+            out = pipe.raw_output(xt, sigma, emb, mask)
             err = (out - x0) / s.clamp(min=args.loss_min_sigma)
         else:
             err = pipe.predict(xt, sigma, emb, mask) - (noise - x0)

@@ -111,22 +111,29 @@ class Scheduler:
         outputs: list[ReqOutput] = []
         self._reap_aborted(outputs)
         t0 = time.perf_counter()
+        n_running = len(self.running)
         batch = self._schedule_prefill()
+        mixed: set[int] = set()
         if batch:
             mixed = self._mix_in_decode(batch)
             self._run_prefill(batch, mixed, outputs)
-            n_new = len(batch) - len(mixed)  # mixed-in decodes are 1-token extends in `batch`
-            what = f"prefill {n_new} reqs {sum(e for _, _, e in batch) - len(mixed)} tokens"
-            what += f" + decode {len(mixed)}" if mixed else ""
         elif self.running:
-            what = f"decode {len(self.running)}"
             self._run_decode(outputs)
         else:
             return outputs
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("step %s: %.1f ms, %d waiting", what, (time.perf_counter() - t0) * 1e3,
-                         len(self.waiting))
+            self._log_step(batch, mixed, n_running, time.perf_counter() - t0)
         return outputs
+
+    def _log_step(self, batch: list[tuple[Req, int, int]], mixed: set[int], n_running: int,
+                  seconds: float) -> None:
+        if batch:  # mixed-in decodes are 1-token extends inside `batch`
+            what = (f"prefill {len(batch) - len(mixed)} reqs "
+                    f"{sum(e for _, _, e in batch) - len(mixed)} tokens")
+            what += f" + decode {len(mixed)}" if mixed else ""
+        else:
+            what = f"decode {n_running}"
+        logger.debug("step %s: %.1f ms, %d waiting", what, seconds * 1e3, len(self.waiting))
 
     def _reap_aborted(self, outputs: list[ReqOutput]) -> None:
         for req in [r for r in self.waiting if r.aborted]:
