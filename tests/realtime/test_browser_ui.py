@@ -66,5 +66,6 @@ def test_web_ui_shows_errors_and_reconnects_after_a_server_restart():
         finally:
             browser.close()
     prompts = [r.prompt for r in fake.requests]
-    assert prompts[:2] == ["a red ball bouncing on a green field", "a blue bird"], prompts
+    default_prompt = "a red circle moving right on a white background"
+    assert prompts[:2] == [default_prompt, "a blue bird"], prompts
     assert "a green tree" in prompts[3:], prompts
