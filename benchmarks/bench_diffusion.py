@@ -111,10 +111,16 @@ def bench_overhead(args, http) -> dict:
     direct(args.size, args.steps, 0)  # warm-up
     http_generate(http, args.size, args.steps, 0)
     d = timed(lambda i: direct(args.size, args.steps, i), args.repeats)
-    h = timed(lambda i: http_generate(http, args.size, args.steps, i), args.repeats)
+    bodies = []
+    h = timed(lambda i: bodies.append(http_generate(http, args.size, args.steps, i)),
+              args.repeats)
     ratio = statistics.median(h) / statistics.median(d)
+    # Where an HTTP request's time goes, by the worker's own clock (ms, medians): what is left
+    # of http_s after the worker's total is the gateway, the IPC and the encoding.
+    worker = {k: statistics.median(b["timings"][k] for b in bodies)
+              for k in bodies[0]["timings"]}
     return {"direct_s": statistics.median(d), "http_s": statistics.median(h),
-            "ratio": ratio, "target": "<= 1.10", "pass": ratio <= 1.10}
+            "worker_ms": worker, "ratio": ratio, "target": "<= 1.10", "pass": ratio <= 1.10}
 
 
 def bench_batching(args, url) -> dict:

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         import torch
 
-        guidance = DEFAULT_GUIDANCE if args.guidance is None else args.guidance
+        guidance = DEFAULT_GUIDANCE[args.kind] if args.guidance is None else args.guidance
         scenes = world.held_out(args.kind == "video", args.count)
         pipe = load(args.kind, args.path)
         generate(pipe, scenes[:1], args.steps, guidance, args.seed)  # warm-up

@@ -16,12 +16,23 @@ TRANSFORMER_CONFIGS = {
     "image": dict(num_attention_heads=4, attention_head_dim=32, num_layers=6, patch_size=4),
     "video": dict(num_attention_heads=6, attention_head_dim=32, num_layers=6, patch_size=4),
 }
+# The image model is a PixArt DiT: text enters through cross-attention only. The video model is
+# SD3's MMDiT, whose "pooled" text input drives every block's adaLN scale and shift; we feed it
+# the whole prompt embedding flattened (one slot per token, see pipeline.py). Text reaches a
+# freshly initialised DiT's tokens almost the same everywhere, which is enough for colours but
+# not for a direction (the shape must be somewhere else in every frame): PixArt, and SD3 with a
+# mean-pooled prompt, drew a static shape for 1,300-1,850 steps, while this learned directions
+# after about 1,800 steps.
+ARCHITECTURES = {"image": "pixart", "video": "sd3"}
 TEXT_DIM = 64
+MAX_PROMPT_TOKENS = 16  # the longest grammar prompt is 11 tokens with </s>
 # What the transformer outputs (see pipeline.py): the video's patches (16 frames x 4x4 x 3 = 768
 # numbers) are wider than its tokens, so it predicts the clean clip rather than the velocity.
 PREDICTION = {"image": "velocity", "video": "sample"}
 # Serving defaults: classifier-free guidance and denoising steps.
-DEFAULT_GUIDANCE = 4.0
+# Chosen on the held-out prompts (evaluate.py): the clean-clip video model overshoots colours
+# above about 3.
+DEFAULT_GUIDANCE = {"image": 4.0, "video": 3.0}
 DEFAULT_STEPS = 8
 
 
@@ -41,13 +52,15 @@ def build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.post_processor = processors.TemplateProcessing(
         single="$A </s>", special_tokens=[("</s>", vocab["</s>"])])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=16, pad_token="<pad>",
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=MAX_PROMPT_TOKENS,
+                                   pad_token="<pad>",
                                    eos_token="</s>", unk_token="[UNK]")
 
 
 def build_pipeline(kind: str):
     """A fresh (untrained) demo pipeline of `kind` ("image" or "video")."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, PixArtTransformer2DModel
+    from diffusers import (FlowMatchEulerDiscreteScheduler, PixArtTransformer2DModel,
+                           SD3Transformer2DModel)
     from transformers import T5Config, T5EncoderModel
 
     from genserve.demo_models.pipeline import ShapesImagePipeline, ShapesVideoPipeline
@@ -61,11 +74,18 @@ def build_pipeline(kind: str):
         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
     channels = 3 * (NUM_FRAMES if kind == "video" else 1)
     cfg = TRANSFORMER_CONFIGS[kind]
-    transformer = PixArtTransformer2DModel(
-        in_channels=channels, out_channels=channels, sample_size=SIZE,
-        cross_attention_dim=cfg["num_attention_heads"] * cfg["attention_head_dim"],
-        caption_channels=TEXT_DIM, norm_num_groups=1, use_additional_conditions=False,
-        interpolation_scale=1, **cfg)
+    width = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    if ARCHITECTURES[kind] == "sd3":
+        transformer = SD3Transformer2DModel(
+            in_channels=channels, out_channels=channels, sample_size=SIZE,
+            joint_attention_dim=TEXT_DIM, caption_projection_dim=width,
+            pooled_projection_dim=TEXT_DIM * MAX_PROMPT_TOKENS,
+            pos_embed_max_size=SIZE // cfg["patch_size"], **cfg)
+    else:
+        transformer = PixArtTransformer2DModel(
+            in_channels=channels, out_channels=channels, sample_size=SIZE,
+            cross_attention_dim=width, caption_channels=TEXT_DIM, norm_num_groups=1,
+            use_additional_conditions=False, interpolation_scale=1, **cfg)
     cls = ShapesVideoPipeline if kind == "video" else ShapesImagePipeline
     return cls(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
                scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),

@@ -4,9 +4,10 @@ Components, all stock diffusers / transformers classes so `save_pretrained` / `f
 work as for any diffusers folder:
 - `tokenizer`: a word-level `PreTrainedTokenizerFast` over the grammar's words (`world.VOCAB`);
 - `text_encoder`: a tiny `T5EncoderModel`;
-- `transformer`: a `PixArtTransformer2DModel` working directly on pixels (no VAE). A video's
-  frames are stacked on the channel axis (`in_channels = 3 * num_frames`), so one token sees a
-  patch of every frame and motion is learned like any other pattern;
+- `transformer`: a `PixArtTransformer2DModel` (image) or `SD3Transformer2DModel` (video, see
+  `models.ARCHITECTURES`) working directly on pixels (no VAE). A video's frames are stacked on
+  the channel axis (`in_channels = 3 * num_frames`), so one token sees a patch of every frame
+  and motion is learned like any other pattern;
 - `scheduler`: `FlowMatchEulerDiscreteScheduler`.
 
 The transformer predicts either the velocity (noise - image; `prediction="velocity"`, the image
@@ -24,13 +25,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, PixArtTransformer2DModel
+from diffusers import (DiffusionPipeline, FlowMatchEulerDiscreteScheduler,
+                       PixArtTransformer2DModel, SD3Transformer2DModel)
 from diffusers.utils import BaseOutput
 from transformers import PreTrainedTokenizerFast, T5EncoderModel
 
-from genserve.demo_models.models import DEFAULT_GUIDANCE, DEFAULT_STEPS
+from genserve.demo_models.models import DEFAULT_GUIDANCE, DEFAULT_STEPS, MAX_PROMPT_TOKENS
 
-MAX_PROMPT_TOKENS = 16
 PREDICTIONS = ("velocity", "sample")
 # x-prediction turns into a velocity by dividing by the noise level: keep it away from zero.
 MIN_SIGMA = 0.05
@@ -47,7 +48,7 @@ class ShapesPipeline(DiffusionPipeline):
     _callback_tensor_inputs = ["latents"]
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast, text_encoder: T5EncoderModel,
-                 transformer: PixArtTransformer2DModel,
+                 transformer: PixArtTransformer2DModel | SD3Transformer2DModel,
                  scheduler: FlowMatchEulerDiscreteScheduler, prediction: str = "velocity"):
         super().__init__()
         if prediction not in PREDICTIONS:
@@ -87,6 +88,13 @@ class ShapesPipeline(DiffusionPipeline):
     def raw_output(self, x: torch.Tensor, sigma: torch.Tensor, emb: torch.Tensor,
                    mask: torch.Tensor) -> torch.Tensor:
         """What the transformer predicts (see `prediction`) at noise level `sigma` [B]."""
+        if isinstance(self.transformer, SD3Transformer2DModel):
+            # MMDiT: the prompt's tokens join the attention, and the whole prompt embedding,
+            # flattened (padding zeroed), drives adaLN next to the noise level, so each word of
+            # the grammar gets its own weights there.
+            pooled = (emb * mask.unsqueeze(-1).to(emb.dtype)).flatten(1)
+            return self.transformer(x, encoder_hidden_states=emb, pooled_projections=pooled,
+                                    timestep=sigma * 1000.0, return_dict=False)[0]
         return self.transformer(x, encoder_hidden_states=emb, encoder_attention_mask=mask,
                                 timestep=sigma * 1000.0, return_dict=False)[0]
 
@@ -117,7 +125,7 @@ class ShapesPipeline(DiffusionPipeline):
         width: int | None = None,
         num_frames: int | None = None,
         num_inference_steps: int = DEFAULT_STEPS,
-        guidance_scale: float = DEFAULT_GUIDANCE,
+        guidance_scale: float | None = None,
         generator: torch.Generator | list[torch.Generator] | None = None,
         latents: torch.Tensor | None = None,
         output_type: str = "np",
@@ -146,6 +154,8 @@ class ShapesPipeline(DiffusionPipeline):
         if unknown:
             raise ValueError(f"callback tensor inputs {sorted(unknown)} are not offered; "
                              f"choose from {self._callback_tensor_inputs}")
+        if guidance_scale is None:
+            guidance_scale = DEFAULT_GUIDANCE["video" if self.num_frames > 1 else "image"]
         device = self._execution_device
         dtype = self.transformer.dtype
         use_cfg = guidance_scale > 1.0

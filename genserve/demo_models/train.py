@@ -121,6 +121,10 @@ def train(args: argparse.Namespace) -> Path:
         step = state["step"]
         rng.setstate(state["rng"])
         print(f"resumed {kind} from {ckpt_path} at step {step}")
+    elif args.init_from:
+        _load_exported(pipe, args.init_from)
+        ema.load_state_dict(modules.state_dict())
+        print(f"starting {kind} from the exported weights in {args.init_from}")
     nrng = np.random.default_rng(args.seed + step)
     n_params = sum(p.numel() for p in modules.parameters())
     print(f"training {MODEL_NAMES[kind]}: {n_params / 1e6:.2f}M parameters, batch "
@@ -189,6 +193,20 @@ def train(args: argparse.Namespace) -> Path:
     return export(pipe, ema, Path(args.export) / MODEL_NAMES[kind], args.fp16)
 
 
+def _load_exported(pipe, folder: str) -> None:
+    """Start from a diffusers folder this script exported (e.g. the committed weights): the
+    optimizer state is not in it, so this is fine-tuning, not resuming."""
+    from genserve.demo_models.pipeline import ShapesPipeline
+
+    src = ShapesPipeline.from_pretrained(folder)
+    for name in ("text_encoder", "transformer"):
+        mine, theirs = getattr(pipe, name).state_dict(), getattr(src, name).state_dict()
+        if {k: v.shape for k, v in mine.items()} != {k: v.shape for k, v in theirs.items()}:
+            raise SystemExit(f"--init-from {folder}: its {name} is not shaped like this "
+                             f"model's (models.py changed?); train from scratch")
+        getattr(pipe, name).load_state_dict({k: v.float() for k, v in theirs.items()})
+
+
 def export(pipe, ema: torch.nn.ModuleDict, out: Path, fp16: bool) -> Path:
     """Write the EMA weights as a diffusers folder (fp16 tensors when `fp16`)."""
     pipe.text_encoder.load_state_dict(ema["text_encoder"].state_dict())
@@ -230,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", default="demo_train", help="checkpoints (resumed from)")
     p.add_argument("--restart", action="store_true", help="ignore an existing checkpoint")
+    p.add_argument("--init-from", default=None,
+                   help="without a checkpoint, start from this exported diffusers folder "
+                        "(e.g. the committed weights) instead of random weights")
     p.add_argument("--checkpoint-minutes", type=float, default=5.0)
     p.add_argument("--export", default=str(WEIGHTS_DIR), help="folder for the diffusers export")
     p.add_argument("--no-fp16", dest="fp16", action="store_false",

@@ -181,7 +181,8 @@ def render_video(scene: Scene, rng: np.random.Generator | None = None,
     r = size * 0.15
     dx, dy = DIRECTIONS[scene.direction]
     lo, hi = r + 1.0, size - r - 1.0
-    cross = rng.uniform(size * 0.3, size * 0.7) if rng is not None else size / 2
+    # The path runs through the middle, jittered by up to 2 pixels (at 32x32) across it.
+    cross = size / 2 + (rng.uniform(-1.0, 1.0) * size / 16 if rng is not None else 0.0)
     if rng is not None:
         r *= rng.uniform(0.85, 1.1)
         start = rng.uniform(0.0, 0.1)

@@ -19,8 +19,8 @@ from genserve.multimodal_gen.pipelines.base import DiffusionFamily
 
 _COMMON = dict(
     size_factor=world.SIZE, max_pixels=256 * 256, default_width=128, default_height=128,
-    default_steps=DEFAULT_STEPS, min_steps=1, max_steps=100, default_guidance=DEFAULT_GUIDANCE,
-    max_guidance=20.0, square_only=True, native_size=f"{world.SIZE}x{world.SIZE}",
+    default_steps=DEFAULT_STEPS, min_steps=1, max_steps=100, max_guidance=20.0, square_only=True,
+    native_size=f"{world.SIZE}x{world.SIZE}",
 )
 
 
@@ -47,14 +47,16 @@ class _ShapesFamily(DiffusionFamily):
 class ShapesImageFamily(_ShapesFamily):
     task = TEXT_TO_IMAGE
     pipeline_classes = ("ShapesImagePipeline",)
-    spec_defaults = dict(_COMMON, prompt_grammar=world.IMAGE_GRAMMAR + "; " + world.grammar_words(
-        video=False))
+    spec_defaults = dict(
+        _COMMON, default_guidance=DEFAULT_GUIDANCE["image"],
+        prompt_grammar=world.IMAGE_GRAMMAR + "; " + world.grammar_words(video=False))
 
 
 class ShapesVideoFamily(_ShapesFamily):
     task = TEXT_TO_VIDEO
     pipeline_classes = ("ShapesVideoPipeline",)
+    cache_blocks = ("transformer_blocks", "Pattern_1")  # an SD3 MMDiT, as in sd3.py
     spec_defaults = dict(
-        _COMMON, default_num_frames=world.NUM_FRAMES, max_num_frames=world.NUM_FRAMES,
-        frame_rule=str(world.NUM_FRAMES), default_fps=8,
+        _COMMON, default_guidance=DEFAULT_GUIDANCE["video"], default_num_frames=world.NUM_FRAMES,
+        max_num_frames=world.NUM_FRAMES, frame_rule=str(world.NUM_FRAMES), default_fps=8,
         prompt_grammar=world.VIDEO_GRAMMAR + "; " + world.grammar_words(video=True))
