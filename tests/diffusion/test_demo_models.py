@@ -183,6 +183,20 @@ def test_video_job_serves_the_demo_model(http, tmp_path):
     assert result["frames_differ"] and result["background"] and result["direction"], result
 
 
+def test_video_model_takes_the_step_cache(http):
+    """shapes-video is an SD3 MMDiT: DBCache attaches through its block adapter and skips steps."""
+    r = http.post("/v1/videos", json={
+        "model": "shapes-video", "prompt": VIDEO_SCENES[1].prompt(), "size": "32x32", "seed": 3,
+        "num_inference_steps": 16, "step_cache": {"residual_diff_threshold": 0.5}})
+    assert r.status_code == 200, r.text
+    video_id = r.json()["id"]
+    deadline = time.time() + 60
+    while (job := http.get(f"/v1/videos/{video_id}").json())["status"] != "completed":
+        assert job["status"] in ("queued", "in_progress") and time.time() < deadline, job
+        time.sleep(0.1)
+    assert 0 < job["cached_steps"] < 16, job
+
+
 def test_training_resumes_exports_and_fine_tunes(tmp_path, capsys):
     """The training entry point end to end at toy scale: a run, a resumed run, the export loading
     with from_pretrained, and a fresh run starting from that export."""
@@ -199,8 +213,13 @@ def test_training_resumes_exports_and_fine_tunes(tmp_path, capsys):
     train.main(common + ["--steps", "3"])
     assert "resumed video" in capsys.readouterr().out
     assert torch.load(work / "shapes-video" / "checkpoint.pt", weights_only=False)["step"] == 3
-    pipe = ShapesPipeline.from_pretrained(out / "shapes-video")
-    assert pipe.transformer.dtype == torch.float16 and pipe.num_frames == world.NUM_FRAMES
+    from safetensors import safe_open
+
+    folder = out / "shapes-video"
+    with safe_open(folder / "transformer" / "diffusion_pytorch_model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
+    pipe = ShapesPipeline.from_pretrained(folder)
+    assert pipe.num_frames == world.NUM_FRAMES
     frames = pipe("a red circle moving up on a white background", num_inference_steps=1).frames
     assert frames.shape == (1, world.NUM_FRAMES, 32, 32, 3)
 
