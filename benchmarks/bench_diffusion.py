@@ -110,10 +110,12 @@ def bench_overhead(args, http) -> dict:
     direct = direct_pipeline(args)
     direct(args.size, args.steps, 0)  # warm-up
     http_generate(http, args.size, args.steps, 0)
-    d = timed(lambda i: direct(args.size, args.steps, i), args.repeats)
-    bodies = []
-    h = timed(lambda i: bodies.append(http_generate(http, args.size, args.steps, i)),
-              args.repeats)
+    # Interleaved (direct, HTTP, direct, ...) so that drift in the machine's speed, which on a
+    # shared 2-core box moves a run by 20%, lands on both sides alike.
+    d, h, bodies = [], [], []
+    for i in range(args.repeats):
+        d += timed(lambda _: direct(args.size, args.steps, i), 1)
+        h += timed(lambda _: bodies.append(http_generate(http, args.size, args.steps, i)), 1)
     ratio = statistics.median(h) / statistics.median(d)
     # Where an HTTP request's time goes, by the worker's own clock (ms, medians): what is left
     # of http_s after the worker's total is the gateway, the IPC and the encoding.
