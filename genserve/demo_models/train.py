@@ -1,10 +1,12 @@
 """Train a demo model on the procedural shapes world and export it as a diffusers folder.
 
     python -m genserve.demo_models.train image --minutes 45
-    python -m genserve.demo_models.train video --minutes 60 --export genserve/demo_models/weights
+    python -m genserve.demo_models.train video --minutes 40 --batch-size 16 \
+        --loss-min-sigma 1.0 --uniform-sigma 0.3       # the recipe of the committed video model
 
-Rectified flow in pixel space: x_s = (1 - s) x0 + s noise, the transformer predicts
-noise - x0; s is drawn logit-normal. Prompts are dropped 10% of the time so classifier-free
+Rectified flow in pixel space: x_s = (1 - s) x0 + s noise; the transformer predicts noise - x0
+(image) or x0 itself (video, see `models.PREDICTION`); s is drawn logit-normal, or uniformly for
+a `--uniform-sigma` share. Prompts are dropped 10% of the time so classifier-free
 guidance works, and shape pixels weigh more than background pixels in the loss (they are a small
 part of the frame but all of the meaning). The text encoder trains jointly. An exponential moving
 average of the weights is what gets exported.

@@ -66,8 +66,8 @@ def min_rows(dtype: torch.dtype = torch.float32) -> int:
 
 def _linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // max(1, x.shape[-1])
-    pad = -rows % min_rows(x.dtype) if x.device.type == "cpu" else 0
-    if x.device.type != "cpu" or rows == 0 or pad == 0:
+    pad = -rows % min_rows(x.dtype) if x.device.type == "cpu" and rows else 0
+    if pad == 0:
         return F.linear(x, module.weight, module.bias)
     flat = x.reshape(rows, x.shape[-1])
     padded = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
