@@ -6,6 +6,13 @@ more outputs than that runs alone). The batch runs once it is full or once the o
 has waited `delay_s`, except that a request arriving after a quiet spell (nothing arrived in
 the `delay_s` before it) runs at once: a lone request never pays the delay, while requests of
 a burst that find the worker busy are batched.
+
+The request that ran at once is often the first of a burst whose other requests arrive while its
+first step runs. The worker then *regroups* (`joinable`, `requeue`): it stops the early batch at
+a step boundary and puts its requests back at the head of the queue, so that the next batch holds
+them and the newcomers. Seeds are per request and batching is invariant, so the outputs do not
+change; the price is the steps already done (the worker only regroups in the first quarter of
+the steps, and at most once per request).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ class _Queued:
     req: ResolvedRequest
     arrived: float  # time.monotonic() when the worker received it
     quiet: bool  # nothing else arrived in the delay window before it: do not wait
+    regrouped: bool = False  # was stopped once to join a larger batch: never again
 
 
 @dataclass
@@ -29,6 +37,7 @@ class RequestBatcher:
     delay_s: float = 0.01
     _queue: list[_Queued] = field(default_factory=list)
     _last_arrival: float = float("-inf")
+    _popped: list[_Queued] = field(default_factory=list)  # the last batch handed out
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -83,12 +92,39 @@ class RequestBatcher:
         batch = self._candidates()
         taken = {id(item) for item in batch}
         self._queue = [item for item in self._queue if id(item) not in taken]
+        self._popped = batch
         return [item.req for item in batch]
+
+    def joinable(self) -> int:
+        """How many outputs of queued requests could join the last popped batch (same key,
+        room left), when regrouping is allowed for it (none of it was regrouped before)."""
+        if not self._popped or any(item.regrouped for item in self._popped):
+            return 0
+        key = self._popped[0].req.batch_key
+        room = self.max_batch_size - sum(item.req.num_outputs for item in self._popped)
+        n = 0
+        for item in self._queue:
+            if item.req.batch_key == key and n + item.req.num_outputs <= room:
+                n += item.req.num_outputs
+        return n
+
+    def requeue(self, request_ids: set[str]) -> None:
+        """Put those requests of the last popped batch back at the head of the queue, in their
+        order, due at once; they will not be regrouped again."""
+        back = [item for item in self._popped if item.req.request_id in request_ids]
+        for item in back:
+            item.quiet, item.regrouped = True, True
+        self._queue = back + self._queue
+        self._popped = []
+
+    def queued_ids(self) -> set[str]:
+        return {item.req.request_id for item in self._queue}
 
     def check_integrity(self) -> None:
         ids = [item.req.request_id for item in self._queue]
         if len(ids) != len(set(ids)):
             raise AssertionError(f"request queued twice: {ids}")
-        arrivals = [item.arrived for item in self._queue]
+        queued = [item for item in self._queue if not item.regrouped]
+        arrivals = [item.arrived for item in queued]
         if arrivals != sorted(arrivals):
             raise AssertionError("queue is not in arrival order")

@@ -36,6 +36,15 @@ class _BatchCancelled(Exception):
     """Every request of the running batch was cancelled: stop the pipeline now."""
 
 
+class _Regroup(Exception):
+    """Requests that can join the running batch arrived early in its run: restart it with them
+    (see batcher.py)."""
+
+
+# Regroup only while at most this share of the steps is done (that work is thrown away).
+REGROUP_MAX_FRACTION = 0.25
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     model_paths: tuple[str, ...]
@@ -64,6 +73,7 @@ class _Worker:
     batcher: RequestBatcher = field(default_factory=RequestBatcher)
     running: dict[str, ResolvedRequest] = field(default_factory=dict)
     cancelled: set[str] = field(default_factory=set)
+    reported: dict[str, int] = field(default_factory=dict)  # last step sent, per request
     stopping: bool = False
 
     def handle(self, msg: Any) -> None:
@@ -72,6 +82,7 @@ class _Worker:
         elif isinstance(msg, WorkerCancel):
             rid = msg.request_id
             if self.batcher.remove(rid):
+                self.reported.pop(rid, None)  # it may have run a few steps before a regroup
                 self.outbox.put(ErrorEvent(rid, "request cancelled", STATUS_CANCELLED))
             elif rid in self.running and rid not in self.cancelled:
                 # Stops at the next step: its events end now, its rows are dropped.
@@ -108,7 +119,13 @@ class _Worker:
             if batch:
                 self.run_batch(batch)
             else:
-                self.batcher.check_integrity()  # idle moment: check the queue's invariants
+                self.check_integrity()  # idle moment: check the queue's invariants
+
+    def check_integrity(self) -> None:
+        self.batcher.check_integrity()
+        stale = set(self.reported) - self.batcher.queued_ids()
+        if stale:
+            raise AssertionError(f"step counts kept for requests no longer queued: {stale}")
 
     def run_batch(self, batch: list[ResolvedRequest]) -> None:
         model = self.models[batch[0].model]
@@ -121,7 +138,13 @@ class _Worker:
             live = [r for r in batch if r.request_id not in self.cancelled]
             if not live:
                 raise _BatchCancelled
+            if (step < total and step <= max(1, int(total * REGROUP_MAX_FRACTION))
+                    and self.batcher.joinable()):
+                raise _Regroup
             for req in live:
+                if step <= self.reported.get(req.request_id, 0):
+                    continue  # a regrouped request re-runs steps it already reported
+                self.reported[req.request_id] = step
                 preview = None
                 every = req.preview_decode_every
                 if req.preview and (every == 0 or step % every == 0 or step == total):
@@ -134,7 +157,15 @@ class _Worker:
         try:
             out = model.generate(batch, on_step)
         except _BatchCancelled:
+            for req in batch:
+                self.reported.pop(req.request_id, None)
             out = None
+        except _Regroup:
+            live = {r.request_id for r in batch if r.request_id not in self.cancelled}
+            logger.debug("regrouping %d request(s) with newly queued ones", len(live))
+            self.batcher.requeue(live)
+            self.running, self.cancelled = {}, set()
+            return
         except ValueError as exc:
             self._fail(batch, str(exc), STATUS_BAD_INPUT)
             out = None
@@ -147,6 +178,7 @@ class _Worker:
             for req in batch:
                 rows = out.frames[row : row + req.num_outputs]
                 row += req.num_outputs
+                self.reported.pop(req.request_id, None)
                 if req.request_id in self.cancelled:
                     continue
                 timings = dict(out.timings)
@@ -160,6 +192,7 @@ class _Worker:
 
     def _fail(self, batch: list[ResolvedRequest], message: str, status: int) -> None:
         for req in batch:
+            self.reported.pop(req.request_id, None)
             if req.request_id not in self.cancelled:
                 self.outbox.put(ErrorEvent(req.request_id, message, status))
 

@@ -55,6 +55,32 @@ def test_concurrent_requests_batch_and_match_alone(diffusion_client):
         assert np.array_equal(a[-1].outputs[0], t[-1].outputs[0])
 
 
+def test_requests_arriving_early_in_a_lone_run_regroup_into_one_batch(diffusion_client):
+    """A burst's first request runs at once; requests that arrive during its first steps stop
+    it and all run as one batch, with the same pixels as alone and no step reported twice."""
+    def req(i):
+        return image_req(f"burst{i}", 30 + i, f"p{i} cat", num_inference_steps=40, width=None,
+                         height=None)
+
+    async def main():
+        lead, joiners = [], []
+        async for event in diffusion_client.stream(req(0)):
+            lead.append(event)
+            if isinstance(event, StepEvent) and event.step == 1:
+                joiners = [asyncio.create_task(collect(diffusion_client, req(i)))
+                           for i in (1, 2)]
+        together = [lead] + [await task for task in joiners]
+        alone = [await collect(diffusion_client, req(i)) for i in range(3)]
+        return together, alone
+
+    together, alone = asyncio.run(main())
+    assert [events[-1].batch_size for events in together] == [3, 3, 3]
+    assert [e.step for e in together[0][:-1]] == list(range(1, 41))  # rising, none twice
+    assert all(events[-1].batch_size == 1 for events in alone)
+    for t, a in zip(together, alone, strict=True):
+        assert np.array_equal(t[-1].outputs[0], a[-1].outputs[0])
+
+
 def test_bad_input_and_unknown_model_never_reach_the_worker(diffusion_client):
     [event] = asyncio.run(collect(diffusion_client, DiffusionRequest("x", "nope", "a cat")))
     assert isinstance(event, ErrorEvent) and event.status == 404

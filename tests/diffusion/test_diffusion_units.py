@@ -126,6 +126,31 @@ def test_batcher_runs_full_batch_at_once():
     assert len(b.pop_batch(now=0.0)) == 2
 
 
+def test_batcher_regroups_a_batch_once_with_newcomers():
+    b = RequestBatcher(max_batch_size=3, delay_s=10.0)
+    first, second, third = (resolve(seed=i) for i in range(3))
+    other = resolve(seed=3, width=32)
+    for req, rid in ((second, "second"), (third, "third"), (other, "other")):
+        object.__setattr__(req, "request_id", rid)
+    b.add(first, now=0.0)
+    assert b.pop_batch(now=0.0) == [first]  # lone: ran at once
+    assert b.joinable() == 0
+    b.add(other, now=0.01)  # another shape cannot join
+    assert b.joinable() == 0
+    b.add(second, now=0.02)
+    b.add(third, now=0.03)
+    assert b.joinable() == 2
+    b.requeue({"r"})
+    b.check_integrity()
+    # The regrouped request heads the queue and is due at once, with both newcomers.
+    assert [r.request_id for r in b.pop_batch(now=0.04)] == ["r", "second", "third"]
+    b.add(resolve(seed=9), now=0.05)
+    assert b.joinable() == 0  # full, and it was regrouped once already
+    assert [r.request_id for r in b.pop_batch(now=20.0)] == ["other"]
+    assert b.joinable() == 0  # the queued one is another shape than "other"
+    b.check_integrity()
+
+
 def test_output_store_caps_size_and_age(tmp_path, monkeypatch):
     store = OutputStore(tmp_path, max_bytes=250, max_age_s=60)
     for i in range(4):
