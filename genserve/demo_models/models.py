@@ -23,12 +23,12 @@ TRANSFORMER_CONFIGS = {
 # not for a direction (the shape must be somewhere else in every frame): PixArt, and SD3 with a
 # mean-pooled prompt, drew a static shape for 1,300-1,850 steps, while this learned directions
 # after about 1,800 steps.
-ARCHITECTURES = {"image": "pixart", "video": "sd3"}
+ARCHITECTURES = {"image": "sd3", "video": "sd3"}
 TEXT_DIM = 64
 MAX_PROMPT_TOKENS = 16  # the longest grammar prompt is 11 tokens with </s>
 # What the transformer outputs (see pipeline.py): the video's patches (16 frames x 4x4 x 3 = 768
 # numbers) are wider than its tokens, so it predicts the clean clip rather than the velocity.
-PREDICTION = {"image": "velocity", "video": "sample"}
+PREDICTION = {"image": "sample", "video": "sample"}
 # Serving defaults: classifier-free guidance and denoising steps.
 # Chosen on the held-out prompts (evaluate.py): the clean-clip video model overshoots colours
 # above about 3.
