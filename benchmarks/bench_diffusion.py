@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8, help="steps for targets 1 and 2")
     p.add_argument("--cache-steps", type=int, default=28, help="steps for target 3")
     p.add_argument("--threshold", type=float, default=0.5)
-    p.add_argument("--demo-threshold", type=float, default=0.1,
+    p.add_argument("--demo-threshold", type=float, default=0.3,
                    help="DBCache threshold on the trained demo model")
     p.add_argument("--demo-prompts", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)

@@ -73,10 +73,12 @@ def step_cache_report(kind: str, path: str | None, scenes, steps: int, guidance:
     import torch
 
     from genserve.multimodal_gen.messages import StepCacheConfig
+    from genserve.multimodal_gen.pipelines.shapes import ShapesImageFamily
     from genserve.multimodal_gen.step_cache import make_step_cache
 
     pipe = load(kind, path)
-    cache = make_step_cache("dbcache", pipe.transformer)
+    # The served family's block adapter (cache-dit does not know these pipelines by name).
+    cache = make_step_cache("dbcache", pipe.transformer, ShapesImageFamily.cache_blocks)
     off = StepCacheConfig(enabled=False)
     on = StepCacheConfig(enabled=True, residual_diff_threshold=threshold, fn=1, bn=0)
     times = {"off": 0.0, "on": 0.0}

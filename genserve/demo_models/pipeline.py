@@ -4,15 +4,15 @@ Components, all stock diffusers / transformers classes so `save_pretrained` / `f
 work as for any diffusers folder:
 - `tokenizer`: a word-level `PreTrainedTokenizerFast` over the grammar's words (`world.VOCAB`);
 - `text_encoder`: a tiny `T5EncoderModel`;
-- `transformer`: a `PixArtTransformer2DModel` (image) or `SD3Transformer2DModel` (video, see
-  `models.ARCHITECTURES`) working directly on pixels (no VAE). A video's frames are stacked on
+- `transformer`: an `SD3Transformer2DModel` (both shipped models; a `PixArtTransformer2DModel`
+  also works, see `models.ARCHITECTURES`) working directly on pixels (no VAE). A video's frames are stacked on
   the channel axis (`in_channels = 3 * num_frames`), so one token sees a patch of every frame
   and motion is learned like any other pattern;
 - `scheduler`: `FlowMatchEulerDiscreteScheduler`.
 
-The transformer predicts either the velocity (noise - image; `prediction="velocity"`, the image
-model) or the clean picture (`prediction="sample"`, the video model: a patch of 16 stacked frames
-is 768 numbers, more than the token width, so the noise cannot pass through the tokens while a
+The transformer predicts either the velocity (noise - image; `prediction="velocity"`) or the
+clean picture (`prediction="sample"`, both shipped models: a video patch of 16 stacked frames is
+768 numbers, more than the token width, so the noise cannot pass through the tokens while a
 clean picture, which is simple, can); `predict` turns either into the velocity the scheduler
 steps with.
 

@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from genserve.demo_models import scorer, world
+from genserve.demo_models.models import DEFAULT_GUIDANCE
 from genserve.multimodal_gen.launch import DEFAULT_MODELS
 from tests.diffusion.helpers import error_of
 
@@ -73,19 +74,21 @@ def image_pipe():
 def test_committed_image_model_draws_held_out_prompts(image_pipe):
     from genserve.demo_models.evaluate import generate
 
-    outs = generate(image_pipe, IMAGE_SCENES, steps=8, guidance=4.0, seed=100)
+    outs = generate(image_pipe, IMAGE_SCENES, steps=8, guidance=DEFAULT_GUIDANCE["image"],
+                    seed=100)
     scores = scorer.summarize([scorer.score_image(o, s) for o, s in zip(outs, IMAGE_SCENES)])
-    # Chance would be 1/6 colour, 1/3 background, 1/3 shape, 1/9 position.
-    assert scores["colour"] >= 0.75 and scores["background"] >= 0.9, scores
-    assert scores["position"] >= 0.75 and scores["shape"] >= 0.5, scores
-    assert scores["all"] >= 0.4, scores
+    # Chance would be 1/6 colour, 1/3 background, 1/3 shape, 1/9 position. The model gets all
+    # 12 right with these seeds (11 with seed 101); the margins absorb CPU-to-CPU differences.
+    assert scores["colour"] >= 0.9 and scores["background"] >= 0.9, scores
+    assert scores["position"] >= 0.9 and scores["shape"] >= 0.75, scores
+    assert scores["all"] >= 0.66, scores
 
 
 def test_committed_video_model_moves_the_shape():
     from genserve.demo_models.evaluate import generate, load
 
     pipe = load("video")
-    outs = generate(pipe, VIDEO_SCENES, steps=8, guidance=3.0, seed=200)
+    outs = generate(pipe, VIDEO_SCENES, steps=8, guidance=DEFAULT_GUIDANCE["video"], seed=200)
     assert outs[0].shape == (world.NUM_FRAMES, 32, 32, 3)
     scores = scorer.summarize([scorer.score_video(o, s) for o, s in zip(outs, VIDEO_SCENES)])
     # Chance would be 1/6 colour, 1/3 background; a still or wandering shape fails direction.
@@ -230,3 +233,18 @@ def test_training_resumes_exports_and_fine_tunes(tmp_path, capsys):
     with pytest.raises(SystemExit, match="not shaped like"):
         train.main(["image", "--batch-size", "2", "--work-dir", str(tmp_path / "work3"),
                     "--steps", "1", "--init-from", str(out / "shapes-video")])
+
+
+def test_image_model_takes_the_step_cache(http):
+    """shapes-image is an SD3 MMDiT too: cached steps keep what the scorer reads."""
+    scene = IMAGE_SCENES[0]
+    body = {"model": "shapes-image", "prompt": scene.prompt(), "size": "32x32", "seed": 100,
+            "num_inference_steps": 16, "response_format": "b64_json"}
+    plain = http.post("/v1/images/generations", json=body)
+    cached = http.post("/v1/images/generations",
+                       json={**body, "step_cache": {"residual_diff_threshold": 0.3}})
+    assert plain.status_code == 200 and cached.status_code == 200, cached.text
+    assert plain.json()["cached_steps"] == 0 and 0 < cached.json()["cached_steps"] < 16
+    images = [np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))))
+              for r in (plain, cached)]
+    assert scorer.score_image(images[1], scene) == scorer.score_image(images[0], scene)

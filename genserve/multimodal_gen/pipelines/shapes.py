@@ -26,6 +26,7 @@ _COMMON = dict(
 
 class _ShapesFamily(DiffusionFamily):
     family = "shapes"
+    cache_blocks = ("transformer_blocks", "Pattern_1")  # an SD3 MMDiT, as in sd3.py
 
     def call_kwargs(self, req: ResolvedRequest) -> dict[str, Any]:
         return {"guidance_scale": req.guidance_scale}
@@ -55,7 +56,6 @@ class ShapesImageFamily(_ShapesFamily):
 class ShapesVideoFamily(_ShapesFamily):
     task = TEXT_TO_VIDEO
     pipeline_classes = ("ShapesVideoPipeline",)
-    cache_blocks = ("transformer_blocks", "Pattern_1")  # an SD3 MMDiT, as in sd3.py
     spec_defaults = dict(
         _COMMON, default_guidance=DEFAULT_GUIDANCE["video"], default_num_frames=world.NUM_FRAMES,
         max_num_frames=world.NUM_FRAMES, frame_rule=str(world.NUM_FRAMES), default_fps=8,
