@@ -114,8 +114,9 @@ def bench_overhead(args, http) -> dict:
     # shared 2-core box moves a run by 20%, lands on both sides alike.
     d, h, bodies = [], [], []
     for i in range(args.repeats):
-        d += timed(lambda _: direct(args.size, args.steps, i), 1)
-        h += timed(lambda _: bodies.append(http_generate(http, args.size, args.steps, i)), 1)
+        d += timed(lambda _, seed=i: direct(args.size, args.steps, seed), 1)
+        h += timed(lambda _, seed=i: bodies.append(
+            http_generate(http, args.size, args.steps, seed)), 1)
     ratio = statistics.median(h) / statistics.median(d)
     # Where an HTTP request's time goes, by the worker's own clock (ms, medians): what is left
     # of http_s after the worker's total is the gateway, the IPC and the encoding.

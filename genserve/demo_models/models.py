@@ -61,8 +61,11 @@ def build_tokenizer():
 
 def build_pipeline(kind: str):
     """A fresh (untrained) demo pipeline of `kind` ("image" or "video")."""
-    from diffusers import (FlowMatchEulerDiscreteScheduler, PixArtTransformer2DModel,
-                           SD3Transformer2DModel)
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        PixArtTransformer2DModel,
+        SD3Transformer2DModel,
+    )
     from transformers import T5Config, T5EncoderModel
 
     from genserve.demo_models.pipeline import ShapesImagePipeline, ShapesVideoPipeline

@@ -4,10 +4,10 @@ Components, all stock diffusers / transformers classes so `save_pretrained` / `f
 work as for any diffusers folder:
 - `tokenizer`: a word-level `PreTrainedTokenizerFast` over the grammar's words (`world.VOCAB`);
 - `text_encoder`: a tiny `T5EncoderModel`;
-- `transformer`: an `SD3Transformer2DModel` (both shipped models; a `PixArtTransformer2DModel`
-  also works, see `models.ARCHITECTURES`) working directly on pixels (no VAE). A video's frames are stacked on
-  the channel axis (`in_channels = 3 * num_frames`), so one token sees a patch of every frame
-  and motion is learned like any other pattern;
+- `transformer`: an `SD3Transformer2DModel` (both shipped models; a
+  `PixArtTransformer2DModel` also works, see `models.ARCHITECTURES`) working directly on pixels
+  (no VAE). A video's frames are stacked on the channel axis (`in_channels = 3 * num_frames`),
+  so one token sees a patch of every frame and motion is learned like any other pattern;
 - `scheduler`: `FlowMatchEulerDiscreteScheduler`.
 
 The transformer predicts either the velocity (noise - image; `prediction="velocity"`) or the
@@ -25,8 +25,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from diffusers import (DiffusionPipeline, FlowMatchEulerDiscreteScheduler,
-                       PixArtTransformer2DModel, SD3Transformer2DModel)
+from diffusers import (
+    DiffusionPipeline,
+    FlowMatchEulerDiscreteScheduler,
+    PixArtTransformer2DModel,
+    SD3Transformer2DModel,
+)
 from diffusers.utils import BaseOutput
 from transformers import PreTrainedTokenizerFast, T5EncoderModel
 
