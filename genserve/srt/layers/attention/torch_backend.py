@@ -54,10 +54,22 @@ class TorchAttnBackend(AttentionBackend):
             ]
 
     def _plan_cascade(self, index: torch.Tensor, valid: torch.Tensor, seq_lens: list[int]) -> None:
+        # Requests holding the same KV slot at column K - 1 (K = CASCADE_MIN_PREFIX) share the
+        # whole K-token prefix: a slot belongs to one radix-tree path. Keying on the first slot
+        # instead put every request in one group whenever all prompts start alike (a BOS token,
+        # a chat template's opening), whose common prefix was then those few tokens.
+        k = CASCADE_MIN_PREFIX
         groups: dict[int, list[int]] = {}
-        for i, first in enumerate(index[:, 0].tolist()):
-            groups.setdefault(first, []).append(i)
-        self._groups, plain = [], []
+        plain: list[int] = []
+        if index.shape[1] > k:
+            for i, slot in enumerate(index[:, k - 1].tolist()):
+                if seq_lens[i] > k:
+                    groups.setdefault(slot, []).append(i)
+                else:
+                    plain.append(i)
+        else:
+            plain = list(range(index.shape[0]))
+        self._groups = []
         for members in groups.values():
             if len(members) < 2:
                 plain.extend(members)
