@@ -189,7 +189,7 @@ def test_disconnect_cancels_the_generation():
     assert fake.requests[0].request_id in fake.cancelled
 
 
-async def _over_the_limit(base: str) -> tuple[dict, int | None, dict]:
+async def _over_the_limit(base: str, serving) -> tuple[dict, int | None, dict]:
     async with websockets.connect(ws_url(base)) as first:
         await first.send(json.dumps({"type": "stop"}))  # idle stop: ignored, socket alive
         async with websockets.connect(ws_url(base)) as second:
@@ -197,7 +197,11 @@ async def _over_the_limit(base: str) -> tuple[dict, int | None, dict]:
             with pytest.raises(websockets.ConnectionClosed):
                 await asyncio.wait_for(second.recv(), 10)
             code = second.close_code
-    # The first closed: a new session is admitted again.
+    # The first closed: once the server has finished its handler (the client's close handshake
+    # can complete a moment before), a new session is admitted again.
+    deadline = time.monotonic() + 10
+    while serving.active_sessions and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
     out = Received()
     async with websockets.connect(ws_url(base)) as third:
         await third.send(json.dumps({"type": "start", **_start(num_inference_steps=1)}))
@@ -207,7 +211,7 @@ async def _over_the_limit(base: str) -> tuple[dict, int | None, dict]:
 
 def test_session_limit_closes_with_1008():
     with realtime_server(FakeDiffusionClient(), max_sessions=1) as (base, serving):
-        error, code, done = asyncio.run(_over_the_limit(base))
+        error, code, done = asyncio.run(_over_the_limit(base, serving))
         serving.check_integrity()
     assert error["type"] == "error" and error["code"] == "too_many_sessions"
     assert code == 1008
