@@ -162,6 +162,8 @@ class _Worker:
             out = None
         except _Regroup:
             live = {r.request_id for r in batch if r.request_id not in self.cancelled}
+            for rid in self.cancelled:
+                self.reported.pop(rid, None)  # ended already; only the live ones go back
             logger.debug("regrouping %d request(s) with newly queued ones", len(live))
             self.batcher.requeue(live)
             self.running, self.cancelled = {}, set()

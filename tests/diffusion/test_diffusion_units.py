@@ -151,6 +151,51 @@ def test_batcher_regroups_a_batch_once_with_newcomers():
     b.check_integrity()
 
 
+def test_worker_regroup_forgets_a_member_cancelled_mid_run():
+    """A batch [a, b] reports step 1; at step 2 `a` is cancelled and `c` arrives: the worker
+    regroups b with c, keeps no state for a, and the next batch finishes b and c."""
+    import queue
+    from types import SimpleNamespace
+
+    from genserve.multimodal_gen.messages import ErrorEvent, ResultEvent, WorkerCancel, WorkerSubmit
+    from genserve.multimodal_gen.worker import WorkerConfig, _Worker
+
+    a, b, c = (resolve(seed=i) for i in range(3))
+    for req, rid in ((a, "a"), (b, "b"), (c, "c")):
+        object.__setattr__(req, "request_id", rid)
+        object.__setattr__(req, "model", "img")
+    inbox, outbox = queue.Queue(), queue.Queue()
+
+    class Model:
+        calls: list[list[str]] = []
+
+        def generate(self, batch, on_step):
+            self.calls.append([r.request_id for r in batch])
+            for step in range(1, 9):
+                if step == 2 and len(self.calls) == 1:
+                    inbox.put(WorkerCancel("a"))
+                    inbox.put(WorkerSubmit(c))
+                on_step(step, 8, {})
+            return SimpleNamespace(frames=[np.zeros((1, 2, 2, 3), np.uint8)] * len(batch),
+                                   cached_steps=0, total_steps=8, timings={})
+
+    worker = _Worker(WorkerConfig(("m",)), inbox, outbox, models={"img": Model()},
+                     batcher=RequestBatcher(max_batch_size=4, delay_s=10.0))
+    worker.batcher.add(a, now=0.0)
+    worker.batcher.add(b, now=0.0)
+    worker.run_batch(worker.batcher.pop_batch(now=20.0))
+    worker.check_integrity()  # "a" ended: no step count kept for it
+    assert worker.reported == {"b": 1}
+    worker.run_batch(worker.batcher.pop_batch())
+    worker.check_integrity()
+    assert Model.calls == [["a", "b"], ["b", "c"]] and worker.reported == {}
+    events = [outbox.get_nowait() for _ in range(outbox.qsize())]
+    steps_b = [e.step for e in events if e.request_id == "b" and hasattr(e, "step")]
+    assert steps_b == list(range(1, 9))  # step 1 once, then 2-8 from the regrouped batch
+    assert [type(e) for e in events if e.request_id == "a"][-1] is ErrorEvent
+    assert {e.request_id for e in events if isinstance(e, ResultEvent)} == {"b", "c"}
+
+
 def test_output_store_caps_size_and_age(tmp_path, monkeypatch):
     store = OutputStore(tmp_path, max_bytes=250, max_age_s=60)
     for i in range(4):
