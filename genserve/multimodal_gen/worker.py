@@ -166,8 +166,7 @@ class _Worker:
                 self.reported.pop(rid, None)  # ended already; only the live ones go back
             logger.debug("regrouping %d request(s) with newly queued ones", len(live))
             self.batcher.requeue(live)
-            self.running, self.cancelled = {}, set()
-            return
+            out = None
         except ValueError as exc:
             self._fail(batch, str(exc), STATUS_BAD_INPUT)
             out = None

@@ -16,6 +16,7 @@ from genserve.demo_models import world
 from genserve.demo_models.models import DEFAULT_GUIDANCE, DEFAULT_STEPS
 from genserve.multimodal_gen.messages import TEXT_TO_IMAGE, TEXT_TO_VIDEO, ResolvedRequest
 from genserve.multimodal_gen.pipelines.base import DiffusionFamily
+from genserve.multimodal_gen.pipelines.sd3 import SD3Family
 
 _COMMON = dict(
     size_factor=world.SIZE, max_pixels=256 * 256, default_width=128, default_height=128,
@@ -26,7 +27,7 @@ _COMMON = dict(
 
 class _ShapesFamily(DiffusionFamily):
     family = "shapes"
-    cache_blocks = ("transformer_blocks", "Pattern_1")  # an SD3 MMDiT, as in sd3.py
+    cache_blocks = SD3Family.cache_blocks  # both demo transformers are SD3 MMDiTs
 
     def call_kwargs(self, req: ResolvedRequest) -> dict[str, Any]:
         return {"guidance_scale": req.guidance_scale}

@@ -104,8 +104,7 @@ class TorchAttnBackend(AttentionBackend):
             )
         plain.sort()
         if len(plain) == index.shape[0]:
-            self._plain_rows = None  # everyone: no indexing needed
-            self._decode_index, self._decode_mask = index, valid[:, None, None, :]
+            self._plan_plain(index, valid)  # everyone: no indexing needed
         elif plain:
             rows = torch.tensor(plain, device=index.device)
             width = max(seq_lens[i] for i in plain)
