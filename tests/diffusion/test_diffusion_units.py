@@ -222,12 +222,19 @@ def test_output_store_caps_size_and_age(tmp_path, monkeypatch):
 @pytest.mark.parametrize("shape", [(1, 1, 3), (7, 5, 3), (64, 33, 3), (16, 16, 1), (9, 12, 4),
                                    (10, 6)])
 @pytest.mark.parametrize("content", ["noise", "smooth", "flat", "textured"])
-def test_png_encoder_round_trips(shape, content):
+@pytest.mark.parametrize("deflate", ["isal", "zlib"])
+def test_png_encoder_round_trips(shape, content, deflate, monkeypatch):
     from io import BytesIO
 
     from PIL import Image
 
+    from genserve.multimodal_gen import encoding
     from genserve.multimodal_gen.encoding import encode_png
+
+    if deflate == "isal":
+        assert encoding._isal_zlib is not None, "isal is part of genserve[diffusion]"
+    else:
+        monkeypatch.setattr(encoding, "_isal_zlib", None)  # the fallback without ISA-L
 
     rng = np.random.default_rng(1)
     h, w = shape[:2]
