@@ -176,6 +176,26 @@ def test_batch_invariant_layers_match_row_by_row():
                 assert torch.equal(out[i], rows[i][0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_linear_per_sample_vectors(dtype):
+    """[samples, features] inputs (timestep embeddings): a sample's output is the same alone,
+    at any place in a batch of any size, and from a row that sits at an unaligned offset."""
+    from genserve.multimodal_gen.batch_invariance import make_batch_invariant
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(37, 96), torch.nn.SiLU(),
+                                torch.nn.Linear(96, 200)).to(dtype)
+    make_batch_invariant(model)
+    x = torch.randn(40, 37, dtype=dtype)
+    with torch.no_grad():
+        alone = [model(x[i : i + 1].clone()) for i in range(40)]
+        for start, batch in ((0, 40), (1, 17), (3, 2), (5, 1)):  # views at odd offsets too
+            out = model(x[start : start + batch])
+            assert out.shape == (batch, 200)
+            for i in range(batch):
+                assert torch.equal(out[i], alone[start + i][0])
+
+
 def test_unsupported_folder_is_a_clear_error(tmp_path):
     (tmp_path / "model_index.json").write_text('{"_class_name": "KandinskyPipeline"}')
     with pytest.raises(ValueError, match="not supported"):
