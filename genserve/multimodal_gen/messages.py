@@ -86,6 +86,9 @@ class DiffusionRequest:
     preview_decode_every: int = 0
     init_image: bytes | None = None  # encoded image (PNG/JPEG/WebP) for image-to-image
     strength: float | None = None  # image-to-image: fraction of the schedule re-noised
+    # False: no StepEvent (only the result), for callers that wait for the end: each event
+    # wakes the gateway twice while the worker's threads are busy denoising.
+    progress: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
@@ -262,6 +265,7 @@ class ResolvedRequest:
     init_image: bytes | None
     strength: float | None
     submitted_at: float  # time.time() when the gateway accepted it
+    progress: bool = True  # StepEvents wanted (they are always sent with previews)
 
     @property
     def num_outputs(self) -> int:

@@ -140,4 +140,5 @@ def resolve_request(
         init_image=req.init_image,
         strength=strength,
         submitted_at=time.time(),
+        progress=req.progress,
     )

@@ -145,6 +145,8 @@ class _Worker:
                 if step <= self.reported.get(req.request_id, 0):
                     continue  # a regrouped request re-runs steps it already reported
                 self.reported[req.request_id] = step
+                if not (req.progress or req.preview):
+                    continue  # its caller waits for the result only
                 preview = None
                 every = req.preview_decode_every
                 if req.preview and (every == 0 or step % every == 0 or step == total):

@@ -39,6 +39,22 @@ def test_events_in_order_with_previews(diffusion_client):
     assert set(result.timings) >= {"queue", "denoise", "decode", "total"}
 
 
+def test_a_request_without_progress_gets_only_its_result(diffusion_client):
+    async def main():
+        quiet, loud = await asyncio.gather(
+            collect(diffusion_client, image_req("q1", 5, progress=False)),
+            collect(diffusion_client, image_req("q2", 6)))
+        return quiet, loud
+
+    quiet, loud = asyncio.run(main())
+    assert [type(e) for e in quiet] == [ResultEvent]
+    assert [type(e) for e in loud] == [StepEvent, StepEvent, ResultEvent]
+    with_preview = asyncio.run(collect(diffusion_client,
+                                       image_req("q3", 5, progress=False, preview=True)))
+    assert [type(e) for e in with_preview] == [StepEvent, StepEvent, ResultEvent]
+    assert np.array_equal(with_preview[-1].outputs[0], quiet[-1].outputs[0])
+
+
 def test_concurrent_requests_batch_and_match_alone(diffusion_client):
     async def main():
         alone = [await collect(diffusion_client, image_req(f"alone{i}", 10 + i, f"p{i} cat"))

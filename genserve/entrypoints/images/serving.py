@@ -123,6 +123,7 @@ class ImageServing:
                 body.step_cache, getattr(self.client, "default_step_cache", None)),
             init_image=init_image,
             strength=strength,
+            progress=False,  # an image response waits for the result
         )
         result = await run_to_result(self.client, req)
         quality = body.output_compression if body.output_compression is not None else 90
