@@ -129,16 +129,18 @@ class ImageServing:
         quality = body.output_compression if body.output_compression is not None else 90
         fmt = body.output_format
         data = []
+        b64 = body.response_format != "url"
         for frames, seed in zip(result.outputs, result.seeds or [None] * len(result.outputs),
                                 strict=True):
-            encoded = await asyncio.to_thread(encode_image, frames[0], fmt, max(1, quality))
             image_id = f"img_{uuid.uuid4().hex}"
-            await asyncio.to_thread(self.store.put, image_id, encoded, fmt)
+            # One trip to a worker thread: encode, store, and base64 for the response.
+            encoded = await asyncio.to_thread(self._encode_and_store, image_id, frames[0], fmt,
+                                              max(1, quality), b64)
             item: dict[str, Any] = {"id": image_id, "seed": seed, "revised_prompt": None}
-            if body.response_format == "url":
-                item["url"] = f"{base_url.rstrip('/')}/v1/images/{image_id}/content"
+            if b64:
+                item["b64_json"] = encoded
             else:
-                item["b64_json"] = base64.b64encode(encoded).decode()
+                item["url"] = f"{base_url.rstrip('/')}/v1/images/{image_id}/content"
             data.append(item)
         h, w = result.outputs[0].shape[1:3]
         return {
@@ -152,6 +154,12 @@ class ImageServing:
             "batch_size": result.batch_size,  # requests that shared the pipeline call
             "timings": result.timings,
         }
+
+    def _encode_and_store(self, image_id: str, frame, fmt: str, quality: int,
+                          b64: bool) -> str | None:
+        encoded = encode_image(frame, fmt, quality)
+        self.store.put(image_id, encoded, fmt)
+        return base64.b64encode(encoded).decode() if b64 else None
 
     def content(self, image_id: str):
         found = self.store.get(image_id)
