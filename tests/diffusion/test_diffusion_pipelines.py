@@ -35,9 +35,11 @@ def wan():
 
 
 def run(model, *requests):
+    """(output, [(step, total)] of the steps run); step 0, before the first, is left out."""
     steps = []
     out = model.generate(list(requests), lambda s, t, d: steps.append((s, t)))
-    return out, steps
+    assert steps[0] == (0, steps[-1][1])
+    return out, steps[1:]
 
 
 def test_batched_equals_alone_and_seeds_matter(flux):

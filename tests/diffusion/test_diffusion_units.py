@@ -196,6 +196,50 @@ def test_worker_regroup_forgets_a_member_cancelled_mid_run():
     assert {e.request_id for e in events if isinstance(e, ResultEvent)} == {"b", "c"}
 
 
+def test_worker_regroups_before_the_first_step():
+    """Requests that arrive while a lone request's prompt is encoded join it at step 0: no step
+    is thrown away, none reported, and the next batch holds all of them."""
+    import queue
+    from types import SimpleNamespace
+
+    from genserve.multimodal_gen.messages import ResultEvent, WorkerSubmit
+    from genserve.multimodal_gen.worker import WorkerConfig, _Worker
+
+    a, b = (resolve(seed=i) for i in range(2))
+    for req, rid in ((a, "a"), (b, "b")):
+        object.__setattr__(req, "request_id", rid)
+        object.__setattr__(req, "model", "img")
+    inbox, outbox = queue.Queue(), queue.Queue()
+
+    class Model:
+        calls: list[tuple[list[str], list[int]]] = []
+
+        def generate(self, batch, on_step):
+            done = []
+            self.calls.append(([r.request_id for r in batch], done))
+            if len(self.calls) == 1:
+                inbox.put(WorkerSubmit(b))  # arrives during the prompt encoding
+            for step in range(0, 9):
+                on_step(step, 8, {})
+                done.append(step)
+            return SimpleNamespace(frames=[np.zeros((1, 2, 2, 3), np.uint8)] * len(batch),
+                                   cached_steps=0, total_steps=8, timings={})
+
+    worker = _Worker(WorkerConfig(("m",)), inbox, outbox, models={"img": Model()},
+                     batcher=RequestBatcher(max_batch_size=4, delay_s=0.01))
+    worker.batcher.add(a)
+    worker.run_batch(worker.batcher.pop_batch())
+    assert Model.calls[0] == (["a"], []) and worker.reported == {}  # stopped at step 0
+    worker.run_batch(worker.batcher.pop_batch())
+    worker.check_integrity()
+    assert Model.calls[1] == (["a", "b"], list(range(9)))
+    events = [outbox.get_nowait() for _ in range(outbox.qsize())]
+    for rid in "ab":
+        assert [e.step for e in events if e.request_id == rid and hasattr(e, "step")] == \
+            list(range(1, 9))
+    assert {e.request_id for e in events if isinstance(e, ResultEvent)} == {"a", "b"}
+
+
 def test_output_store_caps_size_and_age(tmp_path, monkeypatch):
     store = OutputStore(tmp_path, max_bytes=250, max_age_s=60)
     for i in range(4):

@@ -25,6 +25,8 @@ from genserve.multimodal_gen.step_cache import StepCache, make_step_cache
 
 # on_step(steps_done, total_steps, tensors) with tensors = {"latents": [B, C, F, h, w]}.
 # It may raise to stop the pipeline (cancellation).
+# on_step(step, total, tensors): step 0 before the first denoising step (tensors empty), then
+# after each step 1..total with that step's unpacked latents.
 StepHook = Callable[[int, int, dict[str, torch.Tensor]], None]
 
 
@@ -151,18 +153,32 @@ class DiffusionFamily(ABC):
                     {"latents": self.unpack_latents(tensors["latents"], head)})
             return {}
 
+        started = False
+
+        def before_first_step(module: Any, args: Any) -> None:
+            # Step 0: the prompts are encoded, no step has run. A cancel, or a regroup with
+            # requests that arrived meanwhile, costs no denoising step here.
+            nonlocal started
+            if not started:
+                started = True
+                on_step(0, getattr(pipe, "num_timesteps", None) or head.num_inference_steps, {})
+
         self._total_steps = head.num_inference_steps
-        with torch.inference_mode():
-            out = pipe(
-                prompt=prompts,
-                num_inference_steps=head.num_inference_steps,
-                generator=generators,
-                output_type="latent",
-                return_dict=False,
-                callback_on_step_end=callback,
-                callback_on_step_end_tensor_inputs=["latents"],
-                **kwargs,
-            )
+        hook = self.denoiser.register_forward_pre_hook(before_first_step)
+        try:
+            with torch.inference_mode():
+                out = pipe(
+                    prompt=prompts,
+                    num_inference_steps=head.num_inference_steps,
+                    generator=generators,
+                    output_type="latent",
+                    return_dict=False,
+                    callback_on_step_end=callback,
+                    callback_on_step_end_tensor_inputs=["latents"],
+                    **kwargs,
+                )
+        finally:
+            hook.remove()
         return out[0]
 
     def _img2img_pipeline(self) -> Any:
