@@ -12,7 +12,9 @@ first step runs. The worker then *regroups* (`joinable`, `requeue`): it stops th
 a step boundary and puts its requests back at the head of the queue, so that the next batch holds
 them and the newcomers. Seeds are per request and batching is invariant, so the outputs do not
 change; the price is the steps already done (the worker only regroups in the first quarter of
-the steps, and at most once per request).
+the steps, and at most once per request). Before the first step (the prompts encoded, nothing
+denoised) it regroups only when the newcomers fill the batch, since the rest of a burst is
+usually still arriving.
 """
 
 from __future__ import annotations

@@ -138,9 +138,13 @@ class _Worker:
             live = [r for r in batch if r.request_id not in self.cancelled]
             if not live:
                 raise _BatchCancelled
-            if (step < total and step <= max(1, int(total * REGROUP_MAX_FRACTION))
-                    and self.batcher.joinable()):
-                raise _Regroup
+            if step < total and step <= max(1, int(total * REGROUP_MAX_FRACTION)):
+                joining = self.batcher.joinable()
+                room = self.config.max_batch_size - sum(r.num_outputs for r in batch)
+                # Before the first step (step 0) only a batch that would fill up regroups: the
+                # rest of a burst is usually still arriving, and a request regroups only once.
+                if joining and (step > 0 or joining >= room):
+                    raise _Regroup
             for req in live:
                 if step <= self.reported.get(req.request_id, 0):
                     continue  # a regrouped request re-runs steps it already reported

@@ -196,9 +196,11 @@ def test_worker_regroup_forgets_a_member_cancelled_mid_run():
     assert {e.request_id for e in events if isinstance(e, ResultEvent)} == {"b", "c"}
 
 
-def test_worker_regroups_before_the_first_step():
-    """Requests that arrive while a lone request's prompt is encoded join it at step 0: no step
-    is thrown away, none reported, and the next batch holds all of them."""
+@pytest.mark.parametrize("max_batch, regroup_step", [(2, 0), (4, 1)])
+def test_worker_regroups_at_step_0_only_to_fill_the_batch(max_batch, regroup_step):
+    """A request that arrives while a lone request's prompt is encoded joins it before the
+    first step when that fills the batch (no step thrown away); otherwise after step 1, when
+    more of a burst has arrived. No step is reported twice; the next batch holds both."""
     import queue
     from types import SimpleNamespace
 
@@ -225,14 +227,15 @@ def test_worker_regroups_before_the_first_step():
             return SimpleNamespace(frames=[np.zeros((1, 2, 2, 3), np.uint8)] * len(batch),
                                    cached_steps=0, total_steps=8, timings={})
 
-    worker = _Worker(WorkerConfig(("m",)), inbox, outbox, models={"img": Model()},
-                     batcher=RequestBatcher(max_batch_size=4, delay_s=0.01))
+    worker = _Worker(WorkerConfig(("m",), max_batch_size=max_batch), inbox, outbox,
+                     models={"img": Model()},
+                     batcher=RequestBatcher(max_batch_size=max_batch, delay_s=0.01))
     worker.batcher.add(a)
     worker.run_batch(worker.batcher.pop_batch())
-    assert Model.calls[0] == (["a"], []) and worker.reported == {}  # stopped at step 0
+    assert Model.calls[0] == (["a"], list(range(regroup_step)))
     worker.run_batch(worker.batcher.pop_batch())
     worker.check_integrity()
-    assert Model.calls[1] == (["a", "b"], list(range(9)))
+    assert Model.calls[1] == (["a", "b"], list(range(9))) and worker.reported == {}
     events = [outbox.get_nowait() for _ in range(outbox.qsize())]
     for rid in "ab":
         assert [e.step for e in events if e.request_id == rid and hasattr(e, "step")] == \
