@@ -23,10 +23,9 @@ from genserve.multimodal_gen.batch_invariance import make_batch_invariant
 from genserve.multimodal_gen.messages import ModelSpec, ResolvedRequest
 from genserve.multimodal_gen.step_cache import StepCache, make_step_cache
 
-# on_step(steps_done, total_steps, tensors) with tensors = {"latents": [B, C, F, h, w]}.
-# It may raise to stop the pipeline (cancellation).
 # on_step(step, total, tensors): step 0 before the first denoising step (tensors empty), then
-# after each step 1..total with that step's unpacked latents.
+# after each step 1..total with tensors = {"latents": [B, C, F, h, w]}. It may raise to stop the
+# pipeline (cancellation, regrouping).
 StepHook = Callable[[int, int, dict[str, torch.Tensor]], None]
 
 
