@@ -115,8 +115,8 @@ def bench_overhead(args) -> dict:
     The speed of a shared 2-core box drifts by 20% within a run, but slowly: the median of the
     per-pair ratios cancels it, where the ratio of the two medians (also reported) mixes it in.
     And one process can run a few percent slower than an identical one for its whole life (two
-    identical pipelines in one process differ by 1-4%): each round starts a new server, worker
-    and direct pipeline, so no one placement decides the result."""
+    identical pipelines in one process differ by up to 2.5%): each round starts a new server,
+    worker and direct pipeline, so no one placement decides the result."""
     import httpx
 
     d, h, bodies, rounds = [], [], [], []
