@@ -88,11 +88,13 @@ def _linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def _linear_per_sample(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """[samples, features]: one one-row product per sample, on a 64-byte-aligned row."""
-    rows = [x[i : i + 1] for i in range(x.shape[0])]
-    rows = [r if r.data_ptr() % _ALIGNMENT == 0 else r.clone() for r in rows]
-    if len(rows) == 1:
-        return F.linear(rows[0], module.weight, module.bias)
-    return torch.cat([F.linear(r, module.weight, module.bias) for r in rows])
+    outs = []
+    for i in range(x.shape[0]):
+        row = x[i : i + 1]
+        if row.data_ptr() % _ALIGNMENT:
+            row = row.clone()
+        outs.append(F.linear(row, module.weight, module.bias))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _conv(module: nn.modules.conv._ConvNd, original, x: torch.Tensor) -> torch.Tensor:

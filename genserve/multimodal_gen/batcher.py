@@ -103,12 +103,16 @@ class RequestBatcher:
         if not self._popped or any(item.regrouped for item in self._popped):
             return 0
         key = self._popped[0].req.batch_key
-        room = self.max_batch_size - sum(item.req.num_outputs for item in self._popped)
+        room = self.room()
         n = 0
         for item in self._queue:
             if item.req.batch_key == key and n + item.req.num_outputs <= room:
                 n += item.req.num_outputs
         return n
+
+    def room(self) -> int:
+        """Outputs the last popped batch could still take."""
+        return self.max_batch_size - sum(item.req.num_outputs for item in self._popped)
 
     def requeue(self, request_ids: set[str]) -> None:
         """Put those requests of the last popped batch back at the head of the queue, in their

@@ -140,10 +140,9 @@ class _Worker:
                 raise _BatchCancelled
             if step < total and step <= max(1, int(total * REGROUP_MAX_FRACTION)):
                 joining = self.batcher.joinable()
-                room = self.batcher.max_batch_size - sum(r.num_outputs for r in batch)
                 # Before the first step (step 0) only a batch that would fill up regroups: the
                 # rest of a burst is usually still arriving, and a request regroups only once.
-                if joining and (step > 0 or joining >= room):
+                if joining and (step > 0 or joining >= self.batcher.room()):
                     raise _Regroup
             for req in live:
                 if step <= self.reported.get(req.request_id, 0):
