@@ -198,6 +198,25 @@ def test_batch_invariant_linear_per_sample_vectors(dtype):
                 assert torch.equal(out[i], alone[start + i][0])
 
 
+def test_image_vae_runs_channels_last_and_decodes_as_before(flux, wan):
+    import copy
+
+    from genserve.multimodal_gen.pipelines.base import channels_last_vae
+
+    vae = flux.pipe.vae
+    weights = [p for p in vae.parameters() if p.ndim == 4]
+    assert weights and all(p.is_contiguous(memory_format=torch.channels_last) for p in weights)
+    plain = copy.deepcopy(vae).to(memory_format=torch.contiguous_format)
+    assert not plain.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    z = torch.randn(2, 4, 8, 12, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        fast, ref = vae.decode(z).sample, plain.decode(z).sample
+    assert fast.shape == ref.shape == (2, 3, 64, 96)
+    assert (fast - ref).abs().max() < 1e-4
+    assert not channels_last_vae(wan.pipe.vae)  # 3D convolutions keep their layout
+    assert not channels_last_vae(None)
+
+
 def test_unsupported_folder_is_a_clear_error(tmp_path):
     (tmp_path / "model_index.json").write_text('{"_class_name": "KandinskyPipeline"}')
     with pytest.raises(ValueError, match="not supported"):
