@@ -66,3 +66,9 @@ GENSERVE_ALLOW_HUB_DOWNLOAD = _Bool(
     "1",
     "Resolve Hugging Face hub ids when the machine has internet.",
 )
+GENSERVE_MALLOC_TUNING = _Bool(
+    "GENSERVE_MALLOC_TUNING",
+    "1",
+    "Diffusion processes keep tensor-sized blocks in glibc's heap instead of mmap (fewer page "
+    "faults); 0 leaves glibc's defaults.",
+)

@@ -71,8 +71,10 @@ def run(args: argparse.Namespace) -> int:
 
     from genserve.multimodal_gen.encoding import encode_image, encode_mp4
     from genserve.multimodal_gen.launch import default_step_cache_from_args
+    from genserve.multimodal_gen.malloc_tuning import tune_malloc
     from genserve.multimodal_gen.pipelines import LoadOptions, load_model
 
+    tune_malloc()
     output = Path(args.output)
     suffix = output.suffix.lower()
     if suffix not in _IMAGE_EXT and suffix != ".mp4":

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from genserve.multimodal_gen.batcher import RequestBatcher
+from genserve.multimodal_gen.malloc_tuning import tune_malloc
 from genserve.multimodal_gen.messages import (
     STATUS_BAD_INPUT,
     STATUS_BUG,
@@ -215,6 +216,7 @@ def _first_row(batch: list[ResolvedRequest], req: ResolvedRequest) -> int:
 def worker_main(config: WorkerConfig, inbox: Any, outbox: Any) -> None:
     """Entry point of the worker process."""
     logging.basicConfig(level=logging.INFO, format="[diffusion worker] %(message)s")
+    tune_malloc()  # before torch allocates anything
     try:
         import torch
 
