@@ -217,6 +217,52 @@ def test_image_vae_runs_channels_last_and_decodes_as_before(flux, wan):
     assert not channels_last_vae(None)
 
 
+def test_relative_position_bias_is_computed_once_per_length():
+    from genserve.multimodal_gen.embedded import _tiny_t5_encoder
+    from genserve.multimodal_gen.pipelines.position_tables import remember_relative_bias
+
+    torch.manual_seed(0)
+    encoder = _tiny_t5_encoder(32)
+    with torch.inference_mode():
+        plain = {n: encoder(torch.arange(2, 2 + n)[None]).last_hidden_state for n in (9, 12)}
+    assert remember_relative_bias(encoder) == 1  # T5: the first layer's attention
+    assert remember_relative_bias(encoder) == 0  # never wrapped twice
+    attn = next(m for m in encoder.modules() if "compute_bias" in vars(m))
+    buckets = []
+    bucket = attn._relative_position_bucket
+    attn._relative_position_bucket = lambda *a, **k: buckets.append(1) or bucket(*a, **k)
+    with torch.inference_mode():
+        for n in (9, 9, 12, 9, 12):
+            out = encoder(torch.arange(2, 2 + n)[None]).last_hidden_state
+            assert torch.equal(out, plain[n])
+        assert len(buckets) == 2  # once per length
+        attn.relative_attention_bias.weight.mul_(2.0)  # new weights in place: computed afresh
+        changed = encoder(torch.arange(2, 11)[None]).last_hidden_state
+        assert len(buckets) == 3 and not torch.equal(changed, plain[9])
+    encoder(torch.arange(2, 11)[None])  # outside inference mode nothing is kept
+    assert len(buckets) == 4
+
+
+def test_flux_rope_tables_are_kept_across_steps(flux):
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    pos_embed = flux.denoiser.pos_embed
+    assert "forward" in vars(pos_embed)
+    fresh = FluxPosEmbed(theta=10000, axes_dim=[4, 6, 6])
+    ids = torch.cat([torch.zeros(5, 3), torch.stack(torch.meshgrid(
+        torch.zeros(1), torch.arange(4.0), torch.arange(6.0), indexing="ij"), -1).reshape(-1, 3)])
+    with torch.inference_mode():
+        first = pos_embed(ids)
+        assert pos_embed(ids.clone()) is first  # equal ids: the kept tables
+        shifted = ids.clone()
+        shifted[-1, 2] += 1
+        for got, want in zip(pos_embed(shifted), fresh(shifted), strict=True):
+            assert torch.equal(got, want)
+        for got, want in zip(first, fresh(ids), strict=True):
+            assert torch.equal(got, want)
+    assert pos_embed(ids) is not first  # outside inference mode: computed
+
+
 def test_unsupported_folder_is_a_clear_error(tmp_path):
     (tmp_path / "model_index.json").write_text('{"_class_name": "KandinskyPipeline"}')
     with pytest.raises(ValueError, match="not supported"):

@@ -21,6 +21,7 @@ import torch
 
 from genserve.multimodal_gen.batch_invariance import make_batch_invariant
 from genserve.multimodal_gen.messages import ModelSpec, ResolvedRequest
+from genserve.multimodal_gen.pipelines.position_tables import remember_relative_bias
 from genserve.multimodal_gen.step_cache import StepCache, make_step_cache
 
 # on_step(step, total, tensors): step 0 before the first denoising step (tensors empty), then
@@ -67,6 +68,9 @@ class DiffusionFamily(ABC):
         # Before the step cache: cache-dit wraps the denoiser's forward, we wrap its layers.
         make_batch_invariant(self.denoiser)
         channels_last_vae(getattr(pipe, "vae", None))
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module) and component is not self.denoiser:
+                remember_relative_bias(component)  # T5 / UMT5 text encoders
         self.step_cache: StepCache = make_step_cache(self.step_cache_kind, self.denoiser,
                                                        self.cache_blocks)
         self._img2img: Any = None

@@ -11,6 +11,7 @@ import torch
 
 from genserve.multimodal_gen.messages import TEXT_TO_IMAGE, ResolvedRequest
 from genserve.multimodal_gen.pipelines.base import DiffusionFamily
+from genserve.multimodal_gen.pipelines.position_tables import remember_rope
 
 
 class FluxFamily(DiffusionFamily):
@@ -22,6 +23,11 @@ class FluxFamily(DiffusionFamily):
         size_factor=16, max_pixels=2048 * 2048, default_width=1024, default_height=1024,
         default_steps=28, default_guidance=3.5, max_steps=100, supports_negative_prompt=False,
     )
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if isinstance(getattr(self.denoiser, "pos_embed", None), torch.nn.Module):
+            remember_rope(self.denoiser.pos_embed)  # the same tables at every step
 
     def call_kwargs(self, req: ResolvedRequest) -> dict[str, Any]:
         return {"height": req.height, "width": req.width, "guidance_scale": req.guidance_scale}
