@@ -95,12 +95,16 @@ class OutputStore:
         return True
 
     def _evict(self, incoming: int) -> None:
+        # Dicts keep insertion order and entries go in as they are made (at start-up, by
+        # mtime): the first entry is the oldest, so expired ones are all at the front. A put
+        # looks only at what it drops, however many outputs are stored.
         now = time.time()
-        for oid in [k for k, e in self._entries.items() if now - e.created > self.max_age_s]:
+        while self._entries:
+            oid, oldest = next(iter(self._entries.items()))
+            if now - oldest.created <= self.max_age_s and \
+                    self._bytes + incoming <= self.max_bytes:
+                break
             self._drop(oid)
-        # Dicts keep insertion order: the first entries are the oldest.
-        while self._entries and self._bytes + incoming > self.max_bytes:
-            self._drop(next(iter(self._entries)))
 
     def check_integrity(self) -> None:
         """Tracked bytes == sum of tracked sizes == sum of file sizes; under the cap."""

@@ -266,6 +266,24 @@ def test_output_store_caps_size_and_age(tmp_path, monkeypatch):
         again.put("../escape", b"x", "png")
 
 
+def test_output_store_expires_only_the_old(tmp_path, monkeypatch):
+    import genserve.multimodal_gen.output_store as mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(mod.time, "time", lambda: clock[0])
+    store = OutputStore(tmp_path, max_bytes=10_000, max_age_s=200)
+    for i in range(6):  # o0 at 1000 s ... o5 at 1100 s
+        store.put(f"o{i}", bytes(10), "png")
+        clock[0] += 20
+    store.put("o1", bytes(20), "png")  # put again at 1120 s: now the youngest
+    assert len(store) == 6
+    clock[0] = 1250.0  # o0 (250 s old) and o2 (210 s) have expired; o3 (190 s) has not
+    store.put("new", bytes(5), "png")
+    store.check_integrity()
+    assert sorted(p.stem for p in tmp_path.iterdir()) == ["new", "o1", "o3", "o4", "o5"]
+    assert store.total_bytes == 10 * 3 + 20 + 5
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 3), (7, 5, 3), (64, 33, 3), (16, 16, 1), (9, 12, 4),
                                    (10, 6)])
 @pytest.mark.parametrize("content", ["noise", "smooth", "flat", "textured"])
