@@ -243,6 +243,22 @@ def test_relative_position_bias_is_computed_once_per_length():
     assert len(buckets) == 4
 
 
+def test_position_tables_keep_a_few_small_results(monkeypatch):
+    from genserve.multimodal_gen.pipelines import position_tables as pt
+
+    calls = []
+    table = pt._remember(lambda n: calls.append(n) or torch.zeros(n), key=lambda n: n)
+    with torch.inference_mode():
+        assert table(4) is table(4) and calls == [4]
+        monkeypatch.setattr(pt, "KEEP_BYTES", 64)
+        table(32), table(32)  # 128 bytes: too big to keep, built each time
+        assert calls == [4, 32, 32]
+        for n in range(5, 5 + pt.KEEP):  # KEEP newer sizes push the oldest out
+            table(n)
+        table(4)
+        assert calls[-1] == 4 and len(calls) == 3 + pt.KEEP + 1
+
+
 def test_flux_rope_tables_are_kept_across_steps(flux):
     from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 

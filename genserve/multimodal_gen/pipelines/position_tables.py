@@ -10,9 +10,9 @@ with the shape of the input:
   and its embedding, rebuilt at every call.
 
 For tiny-flux at 256x256 these took 0.9 ms a step and 13 ms a call. `remember_rope` and
-`remember_relative_bias` keep the last few results, keyed by what they are computed from, and
-hand back the same tensors: the output does not change by a bit. Only under inference mode,
-where no autograd graph hangs on a kept tensor.
+`remember_relative_bias` keep the last few results (up to 16 MiB each), keyed by what they are
+computed from, and hand back the same tensors: the output does not change by a bit. Only under
+inference mode, where no autograd graph hangs on a kept tensor.
 """
 
 from __future__ import annotations
@@ -25,10 +25,19 @@ import torch
 from torch import nn
 
 KEEP = 4  # results per module: a server alternates between a few sizes
+# A bigger result is not kept: T5-XXL's bias for 512 tokens is 64 MiB, in each of UMT5's 24
+# layers, and next to those encoders' own work it costs nothing to rebuild.
+KEEP_BYTES = 16 << 20
+
+
+def _nbytes(out: Any) -> int:
+    tensors = out if isinstance(out, tuple | list) else (out,)
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _remember(compute: Callable, key: Callable[..., Hashable | None]) -> Callable:
-    """`compute` with its last KEEP results kept by `key(*args, **kwargs)` (None: compute)."""
+    """`compute` with its last KEEP results kept by `key(*args, **kwargs)` (None: compute),
+    each result at most KEEP_BYTES."""
     kept: OrderedDict[Hashable, Any] = OrderedDict()
 
     def remembered(*args, **kwargs):
@@ -39,9 +48,10 @@ def _remember(compute: Callable, key: Callable[..., Hashable | None]) -> Callabl
             kept.move_to_end(k)
             return kept[k]
         out = compute(*args, **kwargs)
-        kept[k] = out
-        if len(kept) > KEEP:
-            kept.popitem(last=False)
+        if _nbytes(out) <= KEEP_BYTES:
+            kept[k] = out
+            if len(kept) > KEEP:
+                kept.popitem(last=False)
         return out
 
     return remembered
