@@ -4,7 +4,8 @@
    same diffusers FluxPipeline (tiny Flux, 256x256, 8 steps, same seed): the median ratio over
    back-to-back pairs, --overhead-repeats in each of --overhead-rounds rounds of fresh processes.
 2. Dynamic batching: --concurrency concurrent same-shape HTTP requests finish with >= 1.5x the
-   throughput of the same requests sent one after another (median of --batching-rounds).
+   throughput of the same requests sent one after another (median of --batching-rounds; the
+   burst runs between the two halves of the sequential requests).
 3. Step cache: DBCache at threshold 0.5 denoises tiny Flux at 28 steps >= 2x faster than
    uncached (median ratio of --repeats back-to-back pairs); mean absolute difference of the
    outputs (pixels in [0, 1]) <= 0.01; PSNR reported.
@@ -22,11 +23,9 @@ Smoke run (tiny sizes, well under a minute):
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,33 +36,51 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def start_server(max_batch_size: int, delay_ms: float, args):
-    """The real gateway + diffusion worker (tiny-flux) on 127.0.0.1, in this process."""
+    """`genserve serve` (tiny-flux, no LLM) as its own process on 127.0.0.1, as it is deployed:
+    the benchmark's client threads do not share the gateway's interpreter (and its GIL)."""
+    import os
     import socket
+    import subprocess
+    import tempfile
 
-    import uvicorn
+    import httpx
 
-    from genserve.entrypoints.app import create_app
-    from genserve.entrypoints.config import GatewayConfig
-    from genserve.multimodal_gen.engine_client import WorkerDiffusionClient
-    from genserve.multimodal_gen.worker import WorkerConfig
-
-    client = WorkerDiffusionClient(WorkerConfig(
-        ("tiny-flux",), dtype=args.dtype, device=args.device, max_batch_size=max_batch_size,
-        batch_delay_ms=delay_ms, num_threads=args.threads))
-    app = create_app(GatewayConfig(), llm_clients=[], diffusion_client=client)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-llm",
+           "--diffusion-model-path", "tiny-flux", "--dtype", args.dtype, "--device", args.device,
+           "--diffusion-max-batch-size", str(max_batch_size),
+           "--diffusion-batch-delay-ms", str(delay_ms), "--host", "127.0.0.1",
+           "--port", str(port), "--log-level", "warning"]
+    env = dict(os.environ)
+    if args.threads:
+        env["GENSERVE_NUM_THREADS"] = str(args.threads)
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            cwd=Path(__file__).resolve().parents[1])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            log.seek(0)
+            raise RuntimeError(f"genserve serve did not start:\n{log.read().decode()[-3000:]}")
+        time.sleep(0.2)
 
     def stop():
-        server.should_exit = True
-        thread.join(timeout=10)
-        asyncio.run(client.shutdown())
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
 
     return url, stop
 
@@ -156,9 +173,10 @@ def bench_overhead(args) -> dict:
 
 
 def bench_batching(args, url) -> dict:
-    """After an untimed warm-up of both, --batching-rounds rounds of: n requests one after
-    another, and the same n at once (in alternating order); the median of the rounds'
-    throughput ratios."""
+    """After an untimed warm-up of both, --batching-rounds rounds of: the first half of n
+    requests one after another, the n at once, then the other half one after another (the
+    box's speed drifts within seconds: a burst between the two halves sees the same drift as
+    the sequential side); the median of the rounds' throughput ratios."""
     import httpx
 
     n = args.concurrency
@@ -169,10 +187,10 @@ def bench_batching(args, url) -> dict:
     rounds, bodies = [], []
     with httpx.Client(base_url=url, timeout=600, limits=limits) as http, \
             ThreadPoolExecutor(n) as pool:
-        def one_by_one() -> float:
+        def one_by_one(seeds) -> float:
             t = time.perf_counter()
-            for i in range(n):
-                http_generate(http, args.size, args.steps, 100 + i)
+            for seed in seeds:
+                http_generate(http, args.size, args.steps, seed)
             return time.perf_counter() - t
 
         def all_at_once() -> float:
@@ -182,12 +200,12 @@ def bench_batching(args, url) -> dict:
             return time.perf_counter() - t
 
         # Warm-up, untimed: a fresh worker's first call at a new batch size builds its kernels.
-        one_by_one(), all_at_once()
-        for r in range(args.batching_rounds):
-            if r % 2 == 0:
-                sequential, concurrent = one_by_one(), all_at_once()
-            else:
-                concurrent, sequential = all_at_once(), one_by_one()
+        one_by_one(range(100, 100 + n)), all_at_once()
+        half = n // 2
+        for _ in range(args.batching_rounds):
+            first = one_by_one(range(100, 100 + half))
+            concurrent = all_at_once()
+            sequential = first + one_by_one(range(100 + half, 100 + n))
             rounds.append({"sequential_s": sequential, "concurrent_s": concurrent,
                            "ratio": sequential / concurrent,
                            "batch_sizes": [b["batch_size"] for b in bodies]})
@@ -289,7 +307,7 @@ def main(argv=None) -> int:
     p.add_argument("--overhead-rounds", type=int, default=5,
                    help="rounds of fresh processes for target 1")
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--batching-rounds", type=int, default=5,
+    p.add_argument("--batching-rounds", type=int, default=7,
                    help="sequential/concurrent rounds for target 2")
     p.add_argument("--batch-delay-ms", type=float, default=20.0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
