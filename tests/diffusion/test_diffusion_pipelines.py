@@ -243,6 +243,30 @@ def test_relative_position_bias_is_computed_once_per_length():
     assert len(buckets) == 4
 
 
+def test_relative_bias_of_an_unknown_signature_is_computed_as_it_comes():
+    from genserve.multimodal_gen.pipelines.position_tables import remember_relative_bias
+
+    class Attention(torch.nn.Module):  # a later compute_bias with one more argument
+        def __init__(self):
+            super().__init__()
+            self.relative_attention_bias = torch.nn.Embedding(8, 2)
+            self.calls = 0
+
+        def compute_bias(self, query_length, key_length, device=None, past_seen_tokens=0,
+                         cache_position=None):
+            self.calls += 1
+            return torch.zeros(1, 2, query_length, key_length)
+
+    attn = Attention()
+    assert remember_relative_bias(attn) == 1
+    with torch.inference_mode():
+        attn.compute_bias(4, 4, None, 0), attn.compute_bias(4, 4, device=None)
+        assert attn.calls == 1  # the known signature, positional or by name: kept
+        attn.compute_bias(4, 4, cache_position=torch.arange(4))
+        attn.compute_bias(4, 4, cache_position=torch.arange(4))
+        assert attn.calls == 3
+
+
 def test_position_tables_keep_a_few_small_results(monkeypatch):
     from genserve.multimodal_gen.pipelines import position_tables as pt
 
