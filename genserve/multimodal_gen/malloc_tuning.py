@@ -5,8 +5,8 @@ freed so far) with a fresh mapping, and hands free memory at the top of its heap
 kernel once there is more of it than the trim threshold (twice the mmap threshold). The next
 tensor of that size then faults every page in again, zero-filled by the kernel. A denoising
 call allocates and frees the same few-MiB activations hundreds of times: a tiny-flux batch of 8
-at 256x256 took 30,000-90,000 minor page faults (up to 0.25 s of system time in a 1.3 s call),
-and a lone request 5,000.
+at 256x256 took 30,000-97,000 minor page faults (0.2-0.3 s of system time in a 1.2 s call),
+and a lone request about 5,000.
 
 `tune_malloc` fixes the mmap threshold at glibc's ceiling for it (32 MiB on 64-bit) and keeps up
 to 128 MiB of free heap, so those blocks are reused in place: the faults go (to tens), for about
