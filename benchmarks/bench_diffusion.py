@@ -117,13 +117,10 @@ def direct_pipeline(args):
     return call
 
 
-def timed(fn, repeats: int) -> list[float]:
-    times = []
-    for i in range(repeats):
-        t = time.perf_counter()
-        fn(i)
-        times.append(time.perf_counter() - t)
-    return times
+def seconds(call) -> float:
+    t = time.perf_counter()
+    call()
+    return time.perf_counter() - t
 
 
 def bench_overhead(args) -> dict:
@@ -147,16 +144,11 @@ def bench_overhead(args) -> dict:
                 http_generate(http, args.size, args.steps, 0)
                 first = len(d)
                 for i in range(args.overhead_repeats):
-                    def run_direct(seed=i, direct=direct):
-                        d.extend(timed(lambda _: direct(args.size, args.steps, seed), 1))
-
-                    def run_http(seed=i):
-                        h.extend(timed(lambda _: bodies.append(
-                            http_generate(http, args.size, args.steps, seed)), 1))
-
-                    for run in ((run_direct, run_http) if i % 2 == 0
-                                else (run_http, run_direct)):
-                        run()
+                    sides = [(d, lambda seed=i, direct=direct: direct(args.size, args.steps, seed)),
+                             (h, lambda seed=i: bodies.append(
+                                 http_generate(http, args.size, args.steps, seed)))]
+                    for times, call in (sides if i % 2 == 0 else sides[::-1]):
+                        times.append(seconds(call))
                 rounds.append(statistics.median(
                     x / y for x, y in zip(h[first:], d[first:], strict=True)))
         finally:

@@ -82,18 +82,13 @@ def remember_relative_bias(module: nn.Module) -> int:
                 or not callable(getattr(attn, "compute_bias", None))):
             continue  # no bias here, or wrapped already (a pipeline can be shared)
 
-        def key(query_length, key_length, *rest, _table=table, **named):
-            # compute_bias(query_length, key_length, device=None, past_seen_tokens=0); another
-            # signature (a later transformers) is computed as it comes, never mistaken.
-            extra = dict(zip(("device", "past_seen_tokens"), rest))
-            if len(rest) > 2 or set(named) - {"device", "past_seen_tokens"} or set(named) & set(
-                    extra):
+        def key(query_length, key_length, device=None, past_seen_tokens=0, *more,
+                _table=table, **unknown):
+            if more or unknown:  # a later signature than this was written for: compute it
                 return None
-            extra.update(named)
             weight = _table.weight
-            return (int(query_length), int(key_length), str(extra.get("device")),
-                    int(extra.get("past_seen_tokens", 0)), weight.data_ptr(), weight._version,
-                    weight.dtype)
+            return (int(query_length), int(key_length), str(device), int(past_seen_tokens),
+                    weight.data_ptr(), weight._version, weight.dtype)
 
         attn.compute_bias = _remember(attn.compute_bias, key)
         wrapped += 1
