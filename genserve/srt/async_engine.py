@@ -226,6 +226,13 @@ class AsyncEngine(LLMEngineClient):
         add_special = not (bos and text.startswith(bos))
         return list(tok.encode(text, add_special_tokens=add_special))
 
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if not add_special_tokens:
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer")
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.tokenize(text)
+
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return super().decode(ids)

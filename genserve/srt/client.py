@@ -35,6 +35,11 @@ class LLMEngineClient(ABC):
     def tokenize(self, text: str) -> list[int]:
         """Token ids of `text` with the model's tokenizer (adds BOS as the model expects)."""
 
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text`, with or without the tokenizer's special tokens (/tokenize).
+        Default: `tokenize`, which adds them as the model expects."""
+        return self.tokenize(text)
+
     def decode(self, ids: list[int]) -> str:
         """Text of token ids (for logprob token strings). Default: ids shown as numbers."""
         return "".join(f"token_id:{i}" for i in ids)

@@ -33,15 +33,12 @@ def test_validation_is_400_naming_the_field(server):
     r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
                    headers={"content-type": "application/json"})
     _assert_envelope(r, 400, "JSON")
-    r = httpx.post(server.url + "/generate", json={"text": "x", "sampling_params": {"bogus": 1}})
-    _assert_envelope(r, 400, "bogus")
+    r = httpx.post(server.url + "/generate", json={"text": "x", "sampling_params": {"top_p": 7}})
+    _assert_envelope(r, 400, "top_p")
 
 
 def test_unsupported_fields_are_400(server):
-    for extra, needle in [({"frobnicate": True}, "frobnicate"),
-                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-                          ({"response_format": {"type": "json_object"}}, "not supported"),
-                          ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+    for extra, needle in [({"response_format": {"type": "json_object"}}, "not supported"),
                           ({"top_logprobs": 2}, "logprobs")]:
         r = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, **extra})
         _assert_envelope(r, 400, needle)

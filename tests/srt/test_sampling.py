@@ -431,3 +431,26 @@ def test_cuda_sampling():
         torch.testing.assert_close(out.logprobs, ref[:, 0])
     assert alone == batched
     assert len(set(alone)) > 1
+
+
+def test_logit_bias_shifts_only_its_row_and_token():
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 5] = 2.0
+    params = [SamplingParams(temperature=0, logit_bias={"9": 3.0}),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=0, logit_bias={5: -100, 7: 0.5})]
+    out = Sampler().sample(logits, build(params), return_logprob=True)
+    assert out.next_token_ids.tolist() == [9, 5, 7]
+    # logprobs stay those of the model's raw logits
+    torch.testing.assert_close(out.logprobs, torch.log_softmax(logits, -1)[[0, 1, 2], [9, 5, 7]])
+
+
+@pytest.mark.parametrize("bias, fragment", [({"x": 1.0}, "token ids"), ({"-1": 1.0}, ">= 0"),
+                                            ({"3": 101}, "[-100, 100]"), ([1], "logit_bias")])
+def test_logit_bias_validation(bias, fragment):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(logit_bias=bias)
+    assert fragment in str(err.value)
+    p = SamplingParams.from_dict({"logit_bias": {"3": 1, "1": -2.5}})
+    assert p.logit_bias == ((1, -2.5), (3, 1.0))
+    assert SamplingParams.from_dict(p.to_dict()) == p

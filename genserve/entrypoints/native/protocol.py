@@ -1,20 +1,20 @@
 """Request shapes of the native API (SGLang's `GenerateReqInput` and friends).
 
-Unknown fields are rejected (400 naming the field) rather than silently ignored.
+Unknown fields are accepted and ignored (logged once per name), as SGLang does: its own
+bench client sends fields such as `return_routed_experts`. Fields genserve knows but cannot
+honour (`lora_path`, `return_hidden_states`...) are declared and answered with a 400.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from genserve.entrypoints.lenient import LenientModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SamplingParams(_Strict):
+class SamplingParams(LenientModel):
     """Passed to the engine as the dict of the fields the client set; the engine checks values."""
 
     max_new_tokens: int | None = Field(default=None, ge=0)
@@ -37,6 +37,7 @@ class SamplingParams(_Strict):
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    logit_bias: dict[str, float] | None = None
 
     def to_engine(self) -> dict[str, Any]:
         params = self.model_dump(exclude_none=True)
@@ -44,7 +45,7 @@ class SamplingParams(_Strict):
         return params
 
 
-class GenerateReqInput(_Strict):
+class GenerateReqInput(LenientModel):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: SamplingParams | list[SamplingParams] | None = None
@@ -57,6 +58,7 @@ class GenerateReqInput(_Strict):
     cache_salt: str | list[str] | None = None
     image_data: Any = None
     lora_path: Any = None
+    return_hidden_states: bool = False  # known, not honoured: true is a 400
     # SGLang's bench clients send this; every native chunk carries meta_info token counts, so
     # usage is always included.
     stream_options: dict[str, Any] | None = None
@@ -65,5 +67,18 @@ class GenerateReqInput(_Strict):
     model: str | None = None
 
 
-class AbortReq(_Strict):
+class AbortReq(LenientModel):
     rid: str = Field(min_length=1)
+
+
+class TokenizeReq(LenientModel):
+    """SGLang's /tokenize: one prompt or a list of prompts."""
+
+    prompt: str | list[str]
+    add_special_tokens: bool = True
+    model: str | None = None
+
+
+class DetokenizeReq(LenientModel):
+    tokens: list[int] | list[list[int]]
+    model: str | None = None

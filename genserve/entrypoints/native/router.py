@@ -8,7 +8,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from genserve.entrypoints.native import serving
-from genserve.entrypoints.native.protocol import AbortReq, GenerateReqInput
+from genserve.entrypoints.native.protocol import (
+    AbortReq,
+    DetokenizeReq,
+    GenerateReqInput,
+    TokenizeReq,
+)
 from genserve.entrypoints.state import GatewayState, get_state
 
 
@@ -44,5 +49,17 @@ def build_router() -> APIRouter:
     async def abort_request(body: AbortReq, model: str | None = None,
                             state: GatewayState = Depends(get_state)) -> dict[str, Any]:
         return await serving.abort_request(state, body.rid, model)
+
+    @router.post("/tokenize")
+    @router.post("/v1/tokenize")
+    async def tokenize(body: TokenizeReq,
+                       state: GatewayState = Depends(get_state)) -> dict[str, Any]:
+        return serving.tokenize_prompts(state, body)
+
+    @router.post("/detokenize")
+    @router.post("/v1/detokenize")
+    async def detokenize(body: DetokenizeReq,
+                         state: GatewayState = Depends(get_state)) -> dict[str, Any]:
+        return serving.detokenize_tokens(state, body)
 
     return router

@@ -23,7 +23,12 @@ from genserve.entrypoints.generation import (
     supports_grammar,
     tokenize,
 )
-from genserve.entrypoints.native.protocol import GenerateReqInput, SamplingParams
+from genserve.entrypoints.native.protocol import (
+    DetokenizeReq,
+    GenerateReqInput,
+    SamplingParams,
+    TokenizeReq,
+)
 from genserve.entrypoints.state import GatewayState
 from genserve.srt.client import LLMEngineClient
 from genserve.srt.messages import GenerateOutput, GenerateRequest
@@ -63,6 +68,8 @@ async def build_requests(client: LLMEngineClient, body: GenerateReqInput
                           param="image_data")
     if body.lora_path is not None:
         raise bad_request("LoRA adapters are not supported.", param="lora_path")
+    if body.return_hidden_states:
+        raise bad_request("'return_hidden_states' is not supported.", param="return_hidden_states")
     prompts, is_batch = await _prompts(client, body)
     if not prompts:
         raise bad_request("The batch is empty.", param="text")
@@ -206,3 +213,32 @@ async def abort_request(state: GatewayState, rid: str, model: str | None) -> dic
         if await client.abort(rid):
             return {"success": True, "rid": rid}
     raise not_found(f"No running or queued request has rid {rid!r}.", param="rid")
+
+
+def tokenize_prompts(state: GatewayState, body: TokenizeReq) -> dict[str, Any]:
+    """SGLang's /tokenize: {tokens, count, max_model_len}; lists for a list of prompts."""
+    client = state.resolve_llm(body.model)
+    prompts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+    try:
+        tokens = [client.encode(p, body.add_special_tokens) for p in prompts]
+    except ValueError as exc:
+        raise bad_request(str(exc), param="prompt") from exc
+    if isinstance(body.prompt, list):
+        return {"tokens": tokens, "count": [len(t) for t in tokens],
+                "max_model_len": client.context_length}
+    return {"tokens": tokens[0], "count": len(tokens[0]), "max_model_len": client.context_length}
+
+
+def detokenize_tokens(state: GatewayState, body: DetokenizeReq) -> dict[str, Any]:
+    """SGLang's /detokenize: {text}, a list of texts for a list of token lists."""
+    client = state.resolve_llm(body.model)
+    batch = bool(body.tokens) and isinstance(body.tokens[0], list)
+    lists = body.tokens if batch else [body.tokens]
+    vocab = client.model_info().get("vocab_size")
+    for ids in lists:
+        bad = [t for t in ids if t < 0 or (isinstance(vocab, int) and t >= vocab)]  # type: ignore[operator]
+        if bad:
+            raise bad_request(f"Token id {bad[0]} is outside the vocabulary [0, {vocab}).",
+                              param="tokens")
+    texts = [client.decode(list(ids)) for ids in lists]  # type: ignore[arg-type]
+    return {"text": texts if batch else texts[0]}

@@ -39,8 +39,6 @@ def now() -> int:
 
 def reject_unsupported(client: LLMEngineClient, body: SamplingFields) -> None:
     """400 for features this server does not implement, instead of silently ignoring them."""
-    if body.logit_bias:
-        raise bad_request("'logit_bias' is not supported.", param="logit_bias")
     if (body.regex or body.ebnf) and not supports_grammar(client):
         raise bad_request("Constrained decoding (regex / ebnf) is not supported by this engine "
                           "yet.", param="regex" if body.regex else "ebnf")
@@ -58,6 +56,8 @@ def sampling_params(body: SamplingFields, max_new_tokens: int,
             params[name] = value
     if body.min_tokens is not None:
         params["min_new_tokens"] = body.min_tokens
+    if body.logit_bias:
+        params["logit_bias"] = dict(body.logit_bias)
     params.update(extra or {})
     return params
 

@@ -1,31 +1,30 @@
 """Request shapes of the OpenAI-compatible API (the fields the official client sends).
 
-Fields we do not implement are either absent (-> 400 "Unsupported field") or declared here so
-that `common.reject_unsupported` can answer a precise 400 when they carry a non-default value.
+Unknown fields are accepted and ignored (logged once per name, `entrypoints/lenient.py`).
+Fields we know but cannot honour are declared here so that `common.reject_unsupported` can
+answer a precise 400 when they carry a non-default value.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from genserve.entrypoints.lenient import LenientModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class StreamOptions(_Strict):
+class StreamOptions(LenientModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(LenientModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
 
 
-class SamplingFields(_Strict):
+class SamplingFields(LenientModel):
     """Shared by completions and chat."""
 
     model: str = Field(min_length=1)
@@ -40,7 +39,7 @@ class SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # metadata only
-    logit_bias: dict[str, float] | None = None  # rejected when non-empty
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # SGLang / vLLM extensions the official client sends through `extra_body`.
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0, le=1)
@@ -64,22 +63,22 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(default=None, ge=1)
 
 
-class TextPart(_Strict):
+class TextPart(LenientModel):
     type: Literal["text"]
     text: str
 
 
-class ImageURL(_Strict):
+class ImageURL(LenientModel):
     url: str
     detail: str | None = None
 
 
-class ImagePart(_Strict):
+class ImagePart(LenientModel):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-class ChatMessage(_Strict):
+class ChatMessage(LenientModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
@@ -88,15 +87,43 @@ class ChatMessage(_Strict):
     refusal: str | None = None
 
 
+class FunctionDefinition(LenientModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(LenientModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(LenientModel):
+    name: str
+
+
+class NamedToolChoice(LenientModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
+    # Known but not honoured: a non-default value is a 400 (common.reject_unsupported).
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # extension: continue the last message when False

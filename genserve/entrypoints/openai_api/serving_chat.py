@@ -61,7 +61,22 @@ def _grammar_params(client: LLMEngineClient, body: ChatCompletionRequest) -> dic
     return {"json_schema": json.dumps(schema)}
 
 
+# Known request fields this server cannot honour: a value other than the default is a 400.
+_UNHONOURED = {
+    "functions": "use 'tools' instead of the deprecated 'functions'",
+    "function_call": "use 'tool_choice' instead of the deprecated 'function_call'",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+}
+
+
 def _validate(body: ChatCompletionRequest) -> None:
+    for name, why in _UNHONOURED.items():
+        if getattr(body, name) is not None:
+            raise bad_request(f"'{name}': {why}.", param=name)
+    if body.modalities is not None and set(body.modalities) - {"text"}:
+        raise bad_request("Only the 'text' output modality is supported.", param="modalities")
     if body.tools:
         raise bad_request("Tool calling ('tools') is not supported.", param="tools")
     if body.tool_choice not in (None, "none"):

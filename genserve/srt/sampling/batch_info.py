@@ -49,6 +49,10 @@ class SamplingBatchInfo:
     # min_new_tokens: (row, token) pairs to forbid this step; None when nothing is forbidden.
     mask_rows: torch.Tensor | None = None
     mask_cols: torch.Tensor | None = None
+    # logit_bias: logits[bias_rows[i], bias_cols[i]] += bias_values[i]; None when no row has one.
+    bias_rows: torch.Tensor | None = None
+    bias_cols: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
     # Host-side state for append_output_tokens: per row, tokens still to generate before EOS is
     # allowed, and the ids forbidden until then.
     _min_tokens_left: list[int] = field(default_factory=list)
@@ -117,7 +121,18 @@ class SamplingBatchInfo:
         )
         info._build_penalties(params, prompt_ids, output_ids)
         info._build_min_tokens(params, output_ids, eos_token_ids)
+        info._build_logit_bias(params)
         return info
+
+    def _build_logit_bias(self, params: list[SamplingParams]) -> None:
+        if not any(p.logit_bias for p in params):
+            return
+        rows = [r for r, p in enumerate(params) for _ in p.logit_bias]
+        cols = [t for p in params for t, _ in p.logit_bias]
+        values = [b for p in params for _, b in p.logit_bias]
+        index = torch.tensor([rows, cols], dtype=torch.long).to(self.device)
+        self.bias_rows, self.bias_cols = index[0], index[1]
+        self.bias_values = torch.tensor(values, dtype=torch.float32).to(self.device)
 
     def _build_penalties(
         self,

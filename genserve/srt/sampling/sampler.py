@@ -83,6 +83,8 @@ class Sampler:
                 frequency_penalties=info.frequency_penalties,
                 presence_penalties=info.presence_penalties,
             )
+        if info.bias_rows is not None and info.bias_cols is not None:
+            x = x.index_put((info.bias_rows, info.bias_cols), info.bias_values, accumulate=True)
         if info.mask_rows is not None and info.mask_cols is not None:
             x = apply_token_mask(x, info.mask_rows, info.mask_cols)
 

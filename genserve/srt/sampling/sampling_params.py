@@ -64,6 +64,34 @@ def _normalize_stop_token_ids(value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _normalize_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (keys may be strings) -> sorted ((id, bias), ...)."""
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):  # to_dict round trip and pickled pairs
+        try:
+            value = dict(value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"logit_bias must be an object of token id -> bias, got {value!r}"
+            ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be an object of token id -> bias, got {value!r}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if token < 0:
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {key!r}")
+        bias = _check_float(f"logit_bias[{key}]", bias)
+        if not -100 <= bias <= 100:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        out[token] = bias
+    return tuple(sorted(out.items()))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next tokens of one request. Invalid values raise ValueError on creation."""
@@ -84,6 +112,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     n: int = 1
     seed: int | None = None
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Frozen: normalised values are written through object.__setattr__.
@@ -127,6 +157,7 @@ class SamplingParams:
         put("repetition_penalty", rep)
         put("stop", _normalize_stop(self.stop))
         put("stop_token_ids", _normalize_stop_token_ids(self.stop_token_ids))
+        put("logit_bias", _normalize_logit_bias(self.logit_bias))
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
             _check_bool(name, getattr(self, name))
         n = _check_int("n", self.n)
@@ -166,6 +197,7 @@ class SamplingParams:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        out["logit_bias"] = {str(t): b for t, b in self.logit_bias}
         return out
 
     @property

@@ -85,6 +85,8 @@ class Scheduler:
             )
         elif any(t < 0 or t >= self.vocab_size for t in req.origin_input_ids):
             error = f"input token ids must be in [0, {self.vocab_size})"
+        elif any(t >= self.vocab_size for t, _ in req.params.logit_bias):
+            error = f"logit_bias token ids must be in [0, {self.vocab_size})"
         if error is not None:
             req.finish_abort(error, status=400)
             return req.make_output()
