@@ -37,6 +37,9 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of the LLM scheduler process (default: torch's choice).")
     g.add_argument("--disable-radix-cache", action="store_true")
+    g.add_argument("--grammar-backend", default=None, choices=("xgrammar", "none"),
+                   help="Constrained decoding (json_schema / regex / ebnf, response_format, "
+                        "tool_choice required). Default xgrammar.")
 
 
 def _add_diffusion_args(p: argparse.ArgumentParser) -> None:

@@ -139,6 +139,11 @@ class GatewayMetrics:
         self.kv_usage = Gauge("genserve_kv_cache_usage", "Fraction of the KV pool in use.", m)
         self.max_total_tokens = Gauge(
             "genserve_max_total_tokens", "KV pool capacity in tokens.", m)
+        self.grammar_compiles = Gauge(
+            "genserve_grammar_compiles", "Grammars compiled by the engine (cache misses).", m)
+        self.grammar_cache_hits = Gauge(
+            "genserve_grammar_cache_hits", "Constrained requests that reused a compiled grammar.",
+            m)
         self.in_flight = Gauge("genserve_gateway_in_flight_reqs",
                                "Requests the gateway holds (admitted, not finished).", m)
 
@@ -152,6 +157,10 @@ class GatewayMetrics:
             value = info.get(key)
             if isinstance(value, (int, float)):
                 gauge.set(float(value), model)
+        grammar = info.get("grammar")
+        if isinstance(grammar, dict):
+            self.grammar_compiles.set(float(grammar.get("compiles", 0)), model)
+            self.grammar_cache_hits.set(float(grammar.get("cache_hits", 0)), model)
 
     def render(self) -> str:
         lines: list[str] = []

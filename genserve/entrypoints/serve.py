@@ -42,7 +42,8 @@ def engine_args_from(args: argparse.Namespace, model_path: str | None) -> Any:
         "disable_radix_cache": args.disable_radix_cache,
         "attention_backend": args.attention_backend,
     }
-    for name in ("dtype", "mem_fraction", "chunked_prefill_size", "page_size", "num_threads"):
+    for name in ("dtype", "mem_fraction", "chunked_prefill_size", "page_size", "num_threads",
+                 "grammar_backend"):
         value = getattr(args, name, None)
         if value is not None:  # else the runtime's default
             kwargs[name] = value

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+GRAMMAR_BACKENDS = ("xgrammar", "none")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class EngineArgs:
     max_queued_requests: int | None = None  # None = unbounded waiting queue
     random_seed: int = 0
     num_threads: int = 0  # torch threads in the scheduler process; 0 = torch default
+    grammar_backend: str = "xgrammar"  # json_schema / regex / ebnf; "none" refuses them
+    grammar_compile_timeout_s: float = 30.0  # a grammar still compiling after this is a 400
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -56,5 +59,13 @@ class EngineArgs:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(
+                f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}"
+            )
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(
+                f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")

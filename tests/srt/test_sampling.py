@@ -23,6 +23,7 @@ from genserve.srt.sampling.sampler import (
     apply_temperature,
     apply_top_k,
     apply_top_p,
+    apply_vocab_bitmask,
     sample_from_probs,
 )
 from genserve.srt.sampling.sampling_params import SamplingParams
@@ -115,10 +116,7 @@ def test_from_dict():
     assert SamplingParams.from_dict(p.to_dict()) == p
     with pytest.raises(ValueError, match="unknown sampling parameter 'temprature'"):
         SamplingParams.from_dict({"temprature": 0.5})
-    for key in ("json_schema", "regex", "ebnf"):
-        with pytest.raises(ValueError, match="constrained decoding .* not supported") as err:
-            SamplingParams.from_dict({key: "x"})
-        assert key in str(err.value)
+    assert SamplingParams.from_dict({"regex": "x+"}).grammar_key == ("regex", "x+")
 
 
 # ------------------------------------------------------------------- processors vs transformers
@@ -454,3 +452,21 @@ def test_logit_bias_validation(bias, fragment):
     p = SamplingParams.from_dict({"logit_bias": {"3": 1, "1": -2.5}})
     assert p.logit_bias == ((1, -2.5), (3, 1.0))
     assert SamplingParams.from_dict(p.to_dict()) == p
+
+
+def test_vocab_bitmask_restricts_only_constrained_rows():
+    logits = torch.randn(3, VOCAB)
+    allowed = {0: [3, 40, 63], 2: [33]}  # 63: the sign bit of the second word
+    bitmask = torch.zeros(2, VOCAB // 32, dtype=torch.int32)
+    for k, row in enumerate(sorted(allowed)):
+        for t in allowed[row]:
+            word = int(bitmask[k, t // 32]) | (1 << (t % 32))
+            bitmask[k, t // 32] = word - (1 << 32) if word >= 1 << 31 else word
+    out = apply_vocab_bitmask(logits, torch.tensor([0, 2]), bitmask)
+    assert finite_set(out)[0] == {3, 40, 63} and finite_set(out)[2] == {33}
+    assert torch.equal(out[1], logits[1])
+    params = [SamplingParams(temperature=0)] * 3
+    info = build(params)
+    info.grammar_rows, info.grammar_bitmask = torch.tensor([0, 2]), bitmask
+    ids = Sampler().sample(logits, info).next_token_ids.tolist()
+    assert ids[0] in allowed[0] and ids[2] == 33 and ids[1] == int(logits[1].argmax())

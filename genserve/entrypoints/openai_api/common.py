@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -18,7 +19,7 @@ from genserve.entrypoints.generation import (
     primed,
     supports_grammar,
 )
-from genserve.entrypoints.openai_api.protocol import SamplingFields
+from genserve.entrypoints.openai_api.protocol import ResponseFormat, SamplingFields
 from genserve.entrypoints.state import GatewayState
 from genserve.srt.client import LLMEngineClient
 from genserve.srt.messages import GenerateOutput, GenerateRequest
@@ -147,6 +148,20 @@ def check_grammar(client: LLMEngineClient, what: str) -> None:
     if not supports_grammar(client):
         raise bad_request(f"response_format {what} is not supported yet by this engine "
                           "(no constrained decoding backend).", param="response_format")
+
+
+def grammar_params(client: LLMEngineClient, fmt: ResponseFormat | None) -> dict[str, Any]:
+    """Engine sampling params for OpenAI's response_format (json_object / json_schema)."""
+    if fmt is None or fmt.type == "text":
+        return {}
+    check_grammar(client, fmt.type)
+    if fmt.type == "json_object":
+        return {"json_schema": json.dumps({"type": "object"})}
+    schema = (fmt.json_schema or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request("response_format.json_schema.schema must be a JSON schema object.",
+                          param="response_format")
+    return {"json_schema": json.dumps(schema)}
 
 
 async def respond(

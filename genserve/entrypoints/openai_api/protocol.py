@@ -60,6 +60,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    response_format: ResponseFormat | None = None  # extension (vLLM / SGLang accept it too)
     best_of: int | None = Field(default=None, ge=1)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -47,20 +46,6 @@ def _template_messages(client: LLMEngineClient, messages: list[ChatMessage]
     return rendered
 
 
-def _grammar_params(client: LLMEngineClient, body: ChatCompletionRequest) -> dict[str, Any]:
-    fmt = body.response_format
-    if fmt is None or fmt.type == "text":
-        return {}
-    common.check_grammar(client, fmt.type)
-    if fmt.type == "json_object":
-        return {"json_schema": json.dumps({"type": "object"})}
-    schema = (fmt.json_schema or {}).get("schema")
-    if not isinstance(schema, dict):
-        raise bad_request("response_format.json_schema.schema must be a JSON schema object.",
-                          param="response_format")
-    return {"json_schema": json.dumps(schema)}
-
-
 # Known request fields this server cannot honour: a value other than the default is a 400.
 _UNHONOURED = {
     "functions": "use 'tools' instead of the deprecated 'functions'",
@@ -94,7 +79,7 @@ async def create_chat_completion(state: GatewayState, body: ChatCompletionReques
     client = state.resolve_llm(body.model)
     common.reject_unsupported(client, body)
     _validate(body)
-    extra = _grammar_params(client, body)
+    extra = common.grammar_params(client, body.response_format)
     messages = _template_messages(client, body.messages)
     try:
         prompt = client.apply_chat_template(messages, body.add_generation_prompt)

@@ -48,7 +48,8 @@ async def create_completion(state: GatewayState, body: CompletionRequest,
     max_new = body.max_tokens or 16
     for ids in prompts:
         check_context(client, len(ids), max_new, "max_tokens")
-    params = common.sampling_params(body, max_new)
+    params = common.sampling_params(body, max_new,
+                                    common.grammar_params(client, body.response_format))
     want_logprobs = body.logprobs is not None
     reqs = common.fan_out(body, prompts, params, want_logprobs, body.logprobs or 0)
     response_id = common.completion_id("cmpl")

@@ -53,6 +53,9 @@ class SamplingBatchInfo:
     bias_rows: torch.Tensor | None = None
     bias_cols: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
+    # Grammar-constrained rows [R] and their allowed-token bitmask [R, ceil(V/32)] int32.
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
     # Host-side state for append_output_tokens: per row, tokens still to generate before EOS is
     # allowed, and the ids forbidden until then.
     _min_tokens_left: list[int] = field(default_factory=list)

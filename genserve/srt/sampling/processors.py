@@ -81,6 +81,20 @@ def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tenso
     return logits.index_put((rows, cols), torch.tensor(NEG_INF, device=logits.device))
 
 
+def apply_vocab_bitmask(
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+) -> torch.Tensor:
+    """Rows `rows` [R] keep only the tokens allowed by bitmask [R, ceil(V/32)] int32 (bit j of
+    word w allows token 32 * w + j, xgrammar's layout); every other token gets -inf."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(bitmask.shape[0], -1)
+    allowed = allowed[:, :vocab].to(logits.device)
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(~allowed, NEG_INF)
+    return out
+
+
 def sample_from_probs(
     probs: torch.Tensor, generator: torch.Generator | None = None
 ) -> torch.Tensor:

@@ -23,6 +23,7 @@ from genserve.srt.sampling.processors import (
     apply_token_mask,
     apply_top_k,
     apply_top_p,
+    apply_vocab_bitmask,
     sample_from_probs,
 )
 
@@ -38,6 +39,7 @@ __all__ = [
     "apply_token_mask",
     "apply_top_k",
     "apply_top_p",
+    "apply_vocab_bitmask",
     "sample_from_probs",
 ]
 
@@ -87,6 +89,8 @@ class Sampler:
             x = x.index_put((info.bias_rows, info.bias_cols), info.bias_values, accumulate=True)
         if info.mask_rows is not None and info.mask_cols is not None:
             x = apply_token_mask(x, info.mask_rows, info.mask_cols)
+        if info.grammar_rows is not None and info.grammar_bitmask is not None:
+            x = apply_vocab_bitmask(x, info.grammar_rows, info.grammar_bitmask)
 
         if info.all_greedy:
             next_ids = torch.argmax(x, dim=-1)  # the fast path: one kernel

@@ -5,6 +5,7 @@ This module must not import torch: the tokenizer manager validates requests in t
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -114,6 +115,11 @@ class SamplingParams:
     seed: int | None = None
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Grammar-constrained decoding (at most one): a JSON schema (as a JSON string), a regular
+    # expression or an EBNF grammar (xgrammar's dialect, root rule `root`).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         # Frozen: normalised values are written through object.__setattr__.
@@ -158,6 +164,7 @@ class SamplingParams:
         put("stop", _normalize_stop(self.stop))
         put("stop_token_ids", _normalize_stop_token_ids(self.stop_token_ids))
         put("logit_bias", _normalize_logit_bias(self.logit_bias))
+        self._check_grammar()
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
             _check_bool(name, getattr(self, name))
         n = _check_int("n", self.n)
@@ -167,6 +174,31 @@ class SamplingParams:
             seed = _check_int("seed", self.seed)
             if not 0 <= seed <= MAX_SEED:
                 raise ValueError(f"seed must be in [0, 2**63 - 1], got {seed}")
+
+    def _check_grammar(self) -> None:
+        given = [k for k in CONSTRAINED_KEYS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of json_schema, regex and ebnf, got {given}")
+        for key in given:
+            value = getattr(self, key)
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"{key} must be a non-empty string, got {value!r}")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("json_schema must be a JSON object (a JSON schema)")
+
+    @property
+    def grammar_key(self) -> tuple[str, str] | None:
+        """(kind, source) of the request's grammar, or None when it is unconstrained."""
+        for key in CONSTRAINED_KEYS:
+            value = getattr(self, key)
+            if value is not None:
+                return key, value
+        return None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -178,13 +210,6 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in d.items():
-            if key in CONSTRAINED_KEYS:
-                if value is not None:
-                    raise ValueError(
-                        "constrained decoding (json_schema / regex / ebnf) is not supported "
-                        f"by this server yet (got '{key}')"
-                    )
-                continue
             if key not in known:
                 raise ValueError(f"unknown sampling parameter '{key}'")
             # JSON clients send null for "not set" (e.g. max_new_tokens: null).

@@ -42,6 +42,11 @@ class Req:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(self.params.seed)
 
+        # Constrained decoding: the compile future while compiling, then the matcher.
+        self.grammar_future: Any = None
+        self.grammar_deadline = 0.0
+        self.grammar: Any = None  # genserve.srt.constrained.RequestGrammar
+
         self.finish_reason: dict[str, Any] | None = None
         self.error: str | None = None
         self.error_status = 500
@@ -112,6 +117,17 @@ class Req:
                     self._text = self._text[: hit[0]]
                     self._stop_string_hit = True
                     self.finish_reason = {"type": "stop", "matched": hit[1]}
+
+    def advance_grammar(self, token: int) -> None:
+        """Feed the sampled token to the grammar (the sampler only offered allowed tokens)."""
+        if self.finish_reason is not None and self.finish_reason.get("type") == "length":
+            return  # truncated: the grammar state no longer matters
+        if not self.grammar.accept_token(token):
+            # Only when no token was allowed at all (e.g. min_new_tokens forbade the stop).
+            self.finish_abort("the grammar allows no further token here", status=200)
+        elif self.grammar.is_terminated and self.finish_reason is None:
+            # The grammar ended on a stop token that ignore_eos let through.
+            self.finish_reason = {"type": "stop", "matched": token}
 
     def finish_abort(self, message: str, status: int = 200) -> None:
         self.finish_reason = {"type": "abort", "message": message}

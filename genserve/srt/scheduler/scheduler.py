@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
 
+from genserve.srt.constrained import create_grammar_backend
 from genserve.srt.forward_batch import ForwardMode
 from genserve.srt.mem_cache import IntegrityError, create_prefix_cache
 from genserve.srt.messages import ReqOutput, TokenizedGenerateReq
@@ -50,6 +53,14 @@ class Scheduler:
         self.sampler = Sampler()
         self.eos_ids = frozenset(runner.config.eos_token_ids)
         self.vocab_size = runner.config.vocab_size
+        self.grammar = create_grammar_backend(
+            args.grammar_backend,
+            tokenizer,
+            self.vocab_size,
+            sorted(self.eos_ids),
+            args.grammar_compile_timeout_s,
+        )
+        self.compiling: list[Req] = []  # constrained requests whose grammar is compiling
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None  # a prefill split over several forwards
@@ -87,6 +98,8 @@ class Scheduler:
             error = f"input token ids must be in [0, {self.vocab_size})"
         elif any(t >= self.vocab_size for t, _ in req.params.logit_bias):
             error = f"logit_bias token ids must be in [0, {self.vocab_size})"
+        elif req.params.grammar_key is not None and self.grammar is None:
+            error = "constrained decoding is disabled on this server (--grammar-backend none)"
         if error is not None:
             req.finish_abort(error, status=400)
             return req.make_output()
@@ -94,6 +107,13 @@ class Scheduler:
             req.finish_reason = {"type": "length", "length": 0}
             return req.make_output()
         self.reqs[req.rid] = req
+        key = req.params.grammar_key
+        if key is not None and self.grammar is not None:
+            # Compiles in the backend's thread; the request waits in `compiling` meanwhile.
+            req.grammar_future = self.grammar.submit(key)
+            req.grammar_deadline = time.monotonic() + self.args.grammar_compile_timeout_s
+            self.compiling.append(req)
+            return None
         self.waiting.append(req)
         return None
 
@@ -105,13 +125,23 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.compiling)
 
     # ---- one scheduling step ----------------------------------------------------------------
 
     def step(self) -> list[ReqOutput]:
         outputs: list[ReqOutput] = []
         self._reap_aborted(outputs)
+        if self.compiling:
+            self._poll_compiling(outputs)
+            if not (self.waiting or self.running or self.chunked) and self.compiling:
+                # Nothing to run until a grammar is ready: wait for one briefly, not spin.
+                wait_futures(
+                    [r.grammar_future for r in self.compiling],
+                    timeout=0.01,
+                    return_when=FIRST_COMPLETED,
+                )
+                return outputs
         t0 = time.perf_counter()
         n_running = len(self.running)
         batch = self._schedule_prefill()
@@ -127,15 +157,47 @@ class Scheduler:
             self._log_step(batch, mixed, n_running, time.perf_counter() - t0)
         return outputs
 
-    def _log_step(self, batch: list[tuple[Req, int, int]], mixed: set[int], n_running: int,
-                  seconds: float) -> None:
+    def _log_step(
+        self, batch: list[tuple[Req, int, int]], mixed: set[int], n_running: int, seconds: float
+    ) -> None:
         if batch:  # mixed-in decodes are 1-token extends inside `batch`
-            what = (f"prefill {len(batch) - len(mixed)} reqs "
-                    f"{sum(e for _, _, e in batch) - len(mixed)} tokens")
+            what = (
+                f"prefill {len(batch) - len(mixed)} reqs "
+                f"{sum(e for _, _, e in batch) - len(mixed)} tokens"
+            )
             what += f" + decode {len(mixed)}" if mixed else ""
         else:
             what = f"decode {n_running}"
         logger.debug("step %s: %.1f ms, %d waiting", what, seconds * 1e3, len(self.waiting))
+
+    def _poll_compiling(self, outputs: list[ReqOutput]) -> None:
+        """Move requests whose grammar compiled to the waiting queue; end those whose grammar
+        failed (400 with the compiler's message), timed out or that were aborted."""
+        still: list[Req] = []
+        now = time.monotonic()
+        for req in self.compiling:
+            fut = req.grammar_future
+            if req.aborted:
+                req.finish_abort("aborted by client")
+            elif fut.done():
+                exc = fut.exception()
+                if exc is not None:
+                    req.finish_abort(str(exc), status=400)
+                else:
+                    req.grammar = self.grammar.matcher(fut.result())  # type: ignore[union-attr]
+                    self.waiting.append(req)
+                    continue
+            elif now > req.grammar_deadline:
+                req.finish_abort(
+                    f"the grammar did not compile within {self.args.grammar_compile_timeout_s:g}"
+                    " s; simplify the schema",
+                    status=400,
+                )
+            else:
+                still.append(req)
+                continue
+            self._finish(req, outputs)
+        self.compiling = still
 
     def _reap_aborted(self, outputs: list[ReqOutput]) -> None:
         for req in [r for r in self.waiting if r.aborted]:
@@ -362,6 +424,13 @@ class Scheduler:
             self.vocab_size,
             self.device,
         )
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if constrained and self.grammar is not None:
+            bitmask = self.grammar.allocate_bitmask(len(constrained))
+            for k, i in enumerate(constrained):
+                reqs[i].grammar.fill_bitmask(bitmask, k)  # type: ignore[union-attr]
+            info.grammar_rows = torch.tensor(constrained, dtype=torch.long, device=self.device)
+            info.grammar_bitmask = bitmask.to(self.device)
         want_lp = any(r.return_logprob for r in reqs)
         top_k = max(r.top_logprobs_num for r in reqs)
         out = self.sampler.sample(logits, info, top_logprobs_num=top_k, return_logprob=want_lp)
@@ -376,6 +445,8 @@ class Scheduler:
                 top = list(zip(top_v[i][:k], top_i[i][:k]))
             lp = lps[i] if lps is not None and req.return_logprob else None
             req.append_token(ids[i], self.eos_ids, self.context_length, lp, top)
+            if req.grammar is not None:
+                req.advance_grammar(ids[i])
         self.stats["generated_tokens"] += len(reqs)
 
     # ---- KV ownership -----------------------------------------------------------------------
@@ -447,7 +518,7 @@ class Scheduler:
             raise IntegrityError(
                 f"req_to_token rows leaked: {rows_used} in use for {len(self.live_reqs())} requests"
             )
-        if any(r.row is not None for r in self.waiting):
+        if any(r.row is not None for r in self.waiting + self.compiling):
             raise IntegrityError("a waiting request still holds a req_to_token row")
 
     def flush_cache(self) -> bool:
@@ -466,7 +537,8 @@ class Scheduler:
             "kv_used_tokens": used,
             "kv_usage": used / self.max_total_tokens,
             "num_running_reqs": len(self.live_reqs()),
-            "num_waiting_reqs": len(self.waiting),
+            "num_waiting_reqs": len(self.waiting) + len(self.compiling),
+            "num_compiling_reqs": len(self.compiling),
             "cache": {
                 "type": type(self.cache).__name__,
                 "total_tokens": self.cache.total_size(),
@@ -475,5 +547,6 @@ class Scheduler:
                 "hit_rate": s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0,
             },
             "stats": dict(s),
+            "grammar": self.grammar.info() if self.grammar is not None else None,
             "time": time.time(),
         }
