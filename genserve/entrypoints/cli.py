@@ -66,6 +66,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
     p.add_argument("--max-realtime-sessions", type=int, default=4,
                    help="Concurrent realtime video WebSocket sessions.")
+    p.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3", "mistral"),
+                   help="Format of the model's tool calls (default: detected from the chat "
+                        "template; hermes when the template does not render tools).")
+    p.add_argument("--reasoning-parser", default=None, choices=("deepseek-r1", "qwen3"),
+                   help="Split <think>...</think> out of chat answers into reasoning_content.")
     p.add_argument("--no-llm", action="store_true", help="Do not start an LLM runtime.")
     p.add_argument("--no-diffusion", action="store_true",
                    help="Do not start the diffusion runtime.")

@@ -22,6 +22,10 @@ class GatewayConfig:
     max_realtime_sessions: int = 4
     host: str = "127.0.0.1"
     port: int = 30000
+    # Output format of tool calls (`--tool-call-parser`); None = detected from the template.
+    tool_call_parser: str | None = None
+    # Split <think>...</think> into reasoning_content (`--reasoning-parser`); None = off.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -35,6 +39,12 @@ class GatewayConfig:
             )
         if not isinstance(self.cors_origins, tuple):
             raise ValueError("cors_origins must be a tuple of origins")
+        if self.tool_call_parser not in (None, "hermes", "llama3", "mistral"):
+            raise ValueError(f"tool_call_parser must be hermes, llama3 or mistral, "
+                             f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, "deepseek-r1", "qwen3"):
+            raise ValueError(f"reasoning_parser must be deepseek-r1 or qwen3, "
+                             f"got {self.reasoning_parser!r}")
         if not isinstance(self.served_model_names, tuple):
             raise ValueError("served_model_names must be a tuple of names")
         if self.max_realtime_sessions < 1:

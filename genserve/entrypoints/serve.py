@@ -59,6 +59,8 @@ def gateway_config_from(args: argparse.Namespace) -> GatewayConfig:
         api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         cors_origins=tuple(args.cors_origin or ()), max_queued_requests=limit,
         served_model_names=tuple(args.served_model_name or ()),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
         max_realtime_sessions=args.max_realtime_sessions, host=args.host, port=args.port)
 
 

@@ -239,13 +239,22 @@ class AsyncEngine(LLMEngineClient):
         return self.tokenizer.decode(ids)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        kwargs: dict[str, Any] = {"tools": tools} if tools else {}
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except Exception as exc:  # jinja errors: a message shape this template cannot render
+            if isinstance(exc, ValueError):
+                raise
+            raise ValueError(f"{type(exc).__name__}: {exc}") from exc
 
     def model_info(self) -> dict[str, Any]:
         return dict(self._info)

@@ -46,9 +46,13 @@ class LLMEngineClient(ABC):
 
     @abstractmethod
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render OpenAI-style chat messages with the tokenizer's chat template."""
+        """Render OpenAI-style chat messages (and `tools`, when the template renders them)
+        with the tokenizer's chat template."""
 
     @abstractmethod
     def model_info(self) -> dict[str, Any]:

@@ -14,10 +14,12 @@ from genserve.entrypoints.generation import (
     GenerationGroup,
     check_context,
     default_max_new_tokens,
+    supports_grammar,
     tokenize,
 )
-from genserve.entrypoints.openai_api import common
+from genserve.entrypoints.openai_api import common, tools
 from genserve.entrypoints.openai_api.protocol import ChatCompletionRequest, ChatMessage
+from genserve.entrypoints.openai_api.tool_calls import ToolCallStreamer
 from genserve.entrypoints.state import GatewayState
 from genserve.srt.client import LLMEngineClient
 from genserve.srt.messages import GenerateOutput
@@ -27,8 +29,6 @@ def _template_messages(client: LLMEngineClient, messages: list[ChatMessage]
                        ) -> list[dict[str, Any]]:
     rendered = []
     for k, msg in enumerate(messages):
-        if msg.tool_calls or msg.role == "tool":
-            raise bad_request("Tool calls are not supported.", param=f"messages.{k}")
         content = msg.content
         if isinstance(content, list):
             texts = []
@@ -42,6 +42,10 @@ def _template_messages(client: LLMEngineClient, messages: list[ChatMessage]
         entry: dict[str, Any] = {"role": role, "content": content or ""}
         if msg.name:
             entry["name"] = msg.name
+        if msg.tool_calls:
+            entry["tool_calls"] = msg.tool_calls
+        if msg.tool_call_id:
+            entry["tool_call_id"] = msg.tool_call_id
         rendered.append(entry)
     return rendered
 
@@ -62,10 +66,6 @@ def _validate(body: ChatCompletionRequest) -> None:
             raise bad_request(f"'{name}': {why}.", param=name)
     if body.modalities is not None and set(body.modalities) - {"text"}:
         raise bad_request("Only the 'text' output modality is supported.", param="modalities")
-    if body.tools:
-        raise bad_request("Tool calling ('tools') is not supported.", param="tools")
-    if body.tool_choice not in (None, "none"):
-        raise bad_request("'tool_choice' is not supported.", param="tool_choice")
     if body.top_logprobs and not body.logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs': true.", param="top_logprobs")
     if body.max_tokens and body.max_completion_tokens and \
@@ -80,9 +80,23 @@ async def create_chat_completion(state: GatewayState, body: ChatCompletionReques
     common.reject_unsupported(client, body)
     _validate(body)
     extra = common.grammar_params(client, body.response_format)
+    plan = tools.plan_tools(client, body, state.config.tool_call_parser,
+                            supports_grammar(client))
+    if plan is not None and plan.grammar:
+        if extra:
+            raise bad_request("Give either response_format or a forced tool_choice, not both.",
+                              param="response_format")
+        extra = plan.grammar
     messages = _template_messages(client, body.messages)
     try:
-        prompt = client.apply_chat_template(messages, body.add_generation_prompt)
+        if plan is None:
+            prompt = client.apply_chat_template(messages, body.add_generation_prompt)
+        elif plan.own_rendering:
+            prompt = client.apply_chat_template(tools.own_tool_messages(messages, plan.tools),
+                                                body.add_generation_prompt)
+        else:
+            prompt = client.apply_chat_template(messages, body.add_generation_prompt,
+                                                tools=plan.tools)
     except ValueError as exc:
         raise bad_request(f"Cannot apply the chat template: {exc}", param="messages") from exc
     ids = await tokenize(client, prompt)
@@ -96,27 +110,43 @@ async def create_chat_completion(state: GatewayState, body: ChatCompletionReques
     response_id = common.completion_id("chatcmpl")
     return await common.respond(
         state, client, reqs, request, bool(body.stream),
-        lambda outs: _full_response(client, body, response_id, outs),
-        lambda group, events: _stream(client, body, response_id, group, events),
+        lambda outs: _full_response(client, body, response_id, outs, plan),
+        lambda group, events: _stream(client, body, response_id, group, events, plan),
     )
 
 
+def _message(out: GenerateOutput, plan: tools.ToolPlan | None
+             ) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of one choice and its finish reason."""
+    reason = common.finish_reason(out)
+    if plan is None:
+        return {"role": "assistant", "content": out.text}, reason
+    content, calls = plan.parser.parse(out.text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [c.to_openai() for c in calls]
+        if reason == "stop":
+            reason = "tool_calls"
+    return message, reason
+
+
 def _full_response(client: LLMEngineClient, body: ChatCompletionRequest, response_id: str,
-                   outs: list[GenerateOutput]) -> dict[str, Any]:
+                   outs: list[GenerateOutput], plan: tools.ToolPlan | None) -> dict[str, Any]:
     top_n = body.top_logprobs or 0
-    choices = [{
-        "index": i,
-        "message": {"role": "assistant", "content": out.text},
-        "logprobs": common.chat_logprobs(client, out, 0, top_n) if body.logprobs else None,
-        "finish_reason": common.finish_reason(out),
-    } for i, out in enumerate(outs)]
+    choices = []
+    for i, out in enumerate(outs):
+        message, reason = _message(out, plan)
+        choices.append({
+            "index": i, "message": message,
+            "logprobs": common.chat_logprobs(client, out, 0, top_n) if body.logprobs else None,
+            "finish_reason": reason})
     return {"id": response_id, "object": "chat.completion", "created": common.now(),
             "model": body.model, "choices": choices, "usage": common.usage(outs, body.n)}
 
 
 async def _stream(client: LLMEngineClient, body: ChatCompletionRequest, response_id: str,
-                  group: GenerationGroup, events: AsyncIterator[tuple[int, GenerateOutput]]
-                  ) -> AsyncIterator[bytes]:
+                  group: GenerationGroup, events: AsyncIterator[tuple[int, GenerateOutput]],
+                  plan: tools.ToolPlan | None) -> AsyncIterator[bytes]:
     created = common.now()
     opts = body.stream_options
     include_usage = opts is not None and opts.include_usage
@@ -126,6 +156,8 @@ async def _stream(client: LLMEngineClient, body: ChatCompletionRequest, response
     started = [False] * body.n
     last: list[GenerateOutput | None] = [None] * body.n
     top_n = body.top_logprobs or 0
+    streamers = [ToolCallStreamer(plan.parser) if plan else None for _ in range(body.n)]
+    called = [False] * body.n
 
     def chunk(choice: dict[str, Any], usage: dict[str, Any] | None) -> bytes:
         payload: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk",
@@ -138,6 +170,13 @@ async def _stream(client: LLMEngineClient, body: ChatCompletionRequest, response
         async for i, out in events:
             last[i] = out
             delta: dict[str, Any] = {"content": out.text[sent_chars[i]:]}
+            streamer = streamers[i]
+            if streamer is not None:
+                content, calls = streamer.update(out.text, out.finished)
+                delta = {"content": content}
+                if calls:
+                    delta["tool_calls"] = calls
+                    called[i] = True
             if not started[i]:
                 delta = {"role": "assistant", **delta}
                 started[i] = True
@@ -147,8 +186,10 @@ async def _stream(client: LLMEngineClient, body: ChatCompletionRequest, response
             logprobs = (common.chat_logprobs(client, out, sent_tokens[i], top_n)
                         if body.logprobs else None)
             sent_chars[i], sent_tokens[i] = len(out.text), out.completion_tokens
-            choice = {"index": i, "delta": delta, "logprobs": logprobs,
-                      "finish_reason": common.finish_reason(out)}
+            reason = common.finish_reason(out)
+            if reason == "stop" and called[i]:
+                reason = "tool_calls"
+            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             yield chunk(choice, common.usage([out], 1) if continuous else None)
         if include_usage and all(o is not None for o in last):
             yield sse.event({"id": response_id, "object": "chat.completion.chunk",
