@@ -19,6 +19,7 @@ from genserve.entrypoints.generation import (
 )
 from genserve.entrypoints.openai_api import common, tools
 from genserve.entrypoints.openai_api.protocol import ChatCompletionRequest, ChatMessage
+from genserve.entrypoints.openai_api.reasoning import ReasoningParser, ReasoningStreamer
 from genserve.entrypoints.openai_api.tool_calls import ToolCallStreamer
 from genserve.entrypoints.state import GatewayState
 from genserve.srt.client import LLMEngineClient
@@ -108,21 +109,30 @@ async def create_chat_completion(state: GatewayState, body: ChatCompletionReques
     params = common.sampling_params(body, max_new, extra)
     reqs = common.fan_out(body, [ids], params, body.logprobs, body.top_logprobs or 0)
     response_id = common.completion_id("chatcmpl")
+    name = state.config.reasoning_parser
+    reasoning = ReasoningParser(name) if name else None
     return await common.respond(
         state, client, reqs, request, bool(body.stream),
-        lambda outs: _full_response(client, body, response_id, outs, plan),
-        lambda group, events: _stream(client, body, response_id, group, events, plan),
+        lambda outs: _full_response(client, body, response_id, outs, plan, reasoning),
+        lambda group, events: _stream(client, body, response_id, group, events, plan,
+                                      reasoning),
     )
 
 
-def _message(out: GenerateOutput, plan: tools.ToolPlan | None
-             ) -> tuple[dict[str, Any], str | None]:
+def _message(out: GenerateOutput, plan: tools.ToolPlan | None,
+             reasoning: ReasoningParser | None) -> tuple[dict[str, Any], str | None]:
     """The assistant message of one choice and its finish reason."""
     reason = common.finish_reason(out)
+    text, thought = out.text, None
+    if reasoning is not None:
+        thought, text = reasoning.split(out.text)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if thought is not None:
+        message["reasoning_content"] = thought
     if plan is None:
-        return {"role": "assistant", "content": out.text}, reason
-    content, calls = plan.parser.parse(out.text)
-    message: dict[str, Any] = {"role": "assistant", "content": content}
+        return message, reason
+    content, calls = plan.parser.parse(text)
+    message["content"] = content
     if calls:
         message["tool_calls"] = [c.to_openai() for c in calls]
         if reason == "stop":
@@ -131,11 +141,12 @@ def _message(out: GenerateOutput, plan: tools.ToolPlan | None
 
 
 def _full_response(client: LLMEngineClient, body: ChatCompletionRequest, response_id: str,
-                   outs: list[GenerateOutput], plan: tools.ToolPlan | None) -> dict[str, Any]:
+                   outs: list[GenerateOutput], plan: tools.ToolPlan | None,
+                   reasoning: ReasoningParser | None) -> dict[str, Any]:
     top_n = body.top_logprobs or 0
     choices = []
     for i, out in enumerate(outs):
-        message, reason = _message(out, plan)
+        message, reason = _message(out, plan, reasoning)
         choices.append({
             "index": i, "message": message,
             "logprobs": common.chat_logprobs(client, out, 0, top_n) if body.logprobs else None,
@@ -146,7 +157,8 @@ def _full_response(client: LLMEngineClient, body: ChatCompletionRequest, respons
 
 async def _stream(client: LLMEngineClient, body: ChatCompletionRequest, response_id: str,
                   group: GenerationGroup, events: AsyncIterator[tuple[int, GenerateOutput]],
-                  plan: tools.ToolPlan | None) -> AsyncIterator[bytes]:
+                  plan: tools.ToolPlan | None, reasoning: ReasoningParser | None
+                  ) -> AsyncIterator[bytes]:
     created = common.now()
     opts = body.stream_options
     include_usage = opts is not None and opts.include_usage
@@ -157,6 +169,7 @@ async def _stream(client: LLMEngineClient, body: ChatCompletionRequest, response
     last: list[GenerateOutput | None] = [None] * body.n
     top_n = body.top_logprobs or 0
     streamers = [ToolCallStreamer(plan.parser) if plan else None for _ in range(body.n)]
+    thinkers = [ReasoningStreamer(reasoning) if reasoning else None for _ in range(body.n)]
     called = [False] * body.n
 
     def chunk(choice: dict[str, Any], usage: dict[str, Any] | None) -> bytes:
@@ -169,14 +182,21 @@ async def _stream(client: LLMEngineClient, body: ChatCompletionRequest, response
     try:
         async for i, out in events:
             last[i] = out
-            delta: dict[str, Any] = {"content": out.text[sent_chars[i]:]}
+            text, thought = out.text, ""
+            thinker = thinkers[i]
+            if thinker is not None:
+                thought, text = thinker.update(out.text, out.finished)
+            delta: dict[str, Any] = {"content": text[sent_chars[i]:]}
+            sent_chars[i] = max(sent_chars[i], len(text))
             streamer = streamers[i]
             if streamer is not None:
-                content, calls = streamer.update(out.text, out.finished)
+                content, calls = streamer.update(text, out.finished)
                 delta = {"content": content}
                 if calls:
                     delta["tool_calls"] = calls
                     called[i] = True
+            if thought:
+                delta["reasoning_content"] = thought
             if not started[i]:
                 delta = {"role": "assistant", **delta}
                 started[i] = True
@@ -185,7 +205,7 @@ async def _stream(client: LLMEngineClient, body: ChatCompletionRequest, response
                 continue
             logprobs = (common.chat_logprobs(client, out, sent_tokens[i], top_n)
                         if body.logprobs else None)
-            sent_chars[i], sent_tokens[i] = len(out.text), out.completion_tokens
+            sent_tokens[i] = out.completion_tokens
             reason = common.finish_reason(out)
             if reason == "stop" and called[i]:
                 reason = "tool_calls"
