@@ -40,6 +40,8 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar-backend", default=None, choices=("xgrammar", "none"),
                    help="Constrained decoding (json_schema / regex / ebnf, response_format, "
                         "tool_choice required). Default xgrammar.")
+    g.add_argument("--disable-jump-forward", action="store_true",
+                   help="Decode grammar-forced text token by token instead of appending it.")
 
 
 def _add_diffusion_args(p: argparse.ArgumentParser) -> None:

@@ -41,6 +41,7 @@ def engine_args_from(args: argparse.Namespace, model_path: str | None) -> Any:
         "context_length": args.context_length, "max_total_tokens": args.max_total_tokens,
         "disable_radix_cache": args.disable_radix_cache,
         "attention_backend": args.attention_backend,
+        "jump_forward": not getattr(args, "disable_jump_forward", False),
     }
     for name in ("dtype", "mem_fraction", "chunked_prefill_size", "page_size", "num_threads",
                  "grammar_backend"):

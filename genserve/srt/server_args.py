@@ -32,6 +32,8 @@ class EngineArgs:
     num_threads: int = 0  # torch threads in the scheduler process; 0 = torch default
     grammar_backend: str = "xgrammar"  # json_schema / regex / ebnf; "none" refuses them
     grammar_compile_timeout_s: float = 30.0  # a grammar still compiling after this is a 400
+    # Append the text a grammar forces without decode steps (one extend computes its KV).
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

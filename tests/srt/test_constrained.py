@@ -178,3 +178,66 @@ def test_compile_cache_abort_and_retraction(smollm_folder):
     grammar = sched.grammar.info()
     assert grammar["compiles"] == 1 and grammar["cache_hits"] == 5
     sched.check_integrity()
+
+
+EXTRACT = {
+    "type": "object",
+    "properties": {
+        "customer_full_name": {"type": "string", "maxLength": 16},
+        "order_status": {"type": "string", "enum": ["pending_payment", "shipped_to_customer"]},
+        "shipping_address": {
+            "type": "object",
+            "properties": {
+                "street_and_number": {"type": "string", "maxLength": 16},
+                "country_code": {"type": "string", "enum": ["FR", "DE"]},
+            },
+            "required": ["street_and_number", "country_code"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["customer_full_name", "order_status", "shipping_address"],
+    "additionalProperties": False,
+}
+
+
+def test_jump_forward_valid_streamed_and_fewer_steps(smollm_folder):
+    def run(jump: bool) -> tuple[list[str], list[str], dict, Engine]:
+        engine = Engine(
+            str(smollm_folder), dtype="float32", max_total_tokens=4096, jump_forward=jump
+        )
+        sched = engine.scheduler
+        ids = engine.tokenizer.encode(chat(engine, "Extract the order: Anna ships to Paris."))
+        for k in range(3):
+            sched.add_request(
+                TokenizedGenerateReq(
+                    rid=f"r{k}",
+                    input_ids=ids,
+                    stream=True,
+                    sampling_params=SamplingParams(
+                        max_new_tokens=120,
+                        temperature=0.0 if k == 0 else 0.8,
+                        seed=k,
+                        json_schema=json.dumps(EXTRACT),
+                    ),
+                )
+            )
+        texts, ids_out = ["", "", ""], [[], [], []]
+        while sched.has_work():
+            for out in sched.step():
+                k = int(out.rid[1:])
+                texts[k] += out.text_delta
+                ids_out[k] += out.new_ids
+        for k in range(3):
+            jsonschema.validate(json.loads(texts[k]), EXTRACT)
+            assert engine.tokenizer.decode(ids_out[k], skip_special_tokens=True) == texts[k]
+        sched.check_integrity()
+        return texts, ids_out, dict(sched.stats), engine
+
+    on_texts, on_ids, on, engine = run(True)
+    _, _, off, _ = run(False)
+    assert off["jump_forward_tokens"] == 0 and on["jump_forward_tokens"] > 20
+    forwards_on = on["decode_steps"] + on["prefill_batches"]
+    assert forwards_on < off["decode_steps"] + off["prefill_batches"]
+    # The boundary is retokenized: the greedy output is exactly the tokenizer's own
+    # tokenization of its text (then the end-of-turn token).
+    assert on_ids[0][:-1] == engine.tokenizer.encode(on_texts[0], add_special_tokens=False)

@@ -118,6 +118,28 @@ class Req:
                     self._stop_string_hit = True
                     self.finish_reason = {"type": "stop", "matched": hit[1]}
 
+    def can_rewind_last_token(self) -> bool:
+        """The last output token can be taken back: not sent yet, no logprobs recorded."""
+        return (
+            bool(self.output_ids)
+            and self._sent_ids < len(self.output_ids)
+            and not self.return_logprob
+            and self.top_logprobs_num == 0
+            and not self.finished
+        )
+
+    def rewind_last_token(self) -> None:
+        """Drop the last output token (jump-forward retokenizes it with the forced text).
+        Only while can_rewind_last_token(); the token has no KV yet."""
+        self.output_ids.pop()
+        if self._detok is not None:
+            self._detok = IncrementalDetokenizer(
+                self._tokenizer,
+                skip_special_tokens=self.params.skip_special_tokens,
+                spaces_between_special_tokens=self.params.spaces_between_special_tokens,
+            )
+            self._text = self._detok.add(self.output_ids) if self.output_ids else ""
+
     def advance_grammar(self, token: int) -> None:
         """Feed the sampled token to the grammar (the sampler only offered allowed tokens)."""
         if self.finish_reason is not None and self.finish_reason.get("type") == "length":

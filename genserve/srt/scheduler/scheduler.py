@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from genserve.srt.constrained import create_grammar_backend
+from genserve.srt.constrained.jump_forward import jump_forward
 from genserve.srt.forward_batch import ForwardMode
 from genserve.srt.mem_cache import IntegrityError, create_prefix_cache
 from genserve.srt.messages import ReqOutput, TokenizedGenerateReq
@@ -72,6 +73,7 @@ class Scheduler:
             "retractions": 0,
             "prefill_batches": 0,
             "decode_steps": 0,
+            "jump_forward_tokens": 0,
         }
 
     # ---- requests in and out ----------------------------------------------------------------
@@ -149,6 +151,8 @@ class Scheduler:
         if batch:
             mixed = self._mix_in_decode(batch)
             self._run_prefill(batch, mixed, outputs)
+        elif any(r.seq_len - r.kv_len > 1 for r in self.running):
+            self._run_extend_running(outputs)  # jump-forward tokens need their KV
         elif self.running:
             self._run_decode(outputs)
         else:
@@ -305,16 +309,45 @@ class Scheduler:
 
     def _mix_in_decode(self, batch: list[tuple[Req, int, int]]) -> set[int]:
         """Let running requests decode their next token inside this prefill forward (as
-        1-token extends) instead of stalling while new requests prefill. Only when the pool
-        has a free slot for each without evicting; otherwise they decode in the next step."""
-        if not self.running or self.allocator.available_size() < len(self.running):
+        1-token extends, or longer ones after a jump-forward) instead of stalling while new
+        requests prefill. Only when the pool has a free slot for each new token without
+        evicting; otherwise they decode in the next step."""
+        counts = [r.seq_len - r.kv_len for r in self.running]
+        total = sum(counts)
+        if not self.running or self.allocator.available_size() < total:
             return set()
-        slots = self.allocator.alloc(len(self.running))
+        slots = self.allocator.alloc(total)
         if slots is None:
             return set()
-        self._write_next_slots(self.running, slots)
-        batch.extend((req, req.kv_len, 1) for req in self.running)
+        if total == len(self.running):
+            self._write_next_slots(self.running, slots)
+        else:
+            r2t, start = self.req_to_token_pool.req_to_token, 0
+            for req, n in zip(self.running, counts, strict=True):
+                r2t[req.row, req.kv_len : req.kv_len + n] = slots[start : start + n]
+                start += n
+        batch.extend((req, req.kv_len, n) for req, n in zip(self.running, counts, strict=True))
         return {id(req) for req in self.running}
+
+    def _run_extend_running(self, outputs: list[ReqOutput]) -> None:
+        """One extend forward over the running requests, some of which carry several
+        jump-forward tokens without KV; retracts (like decode) when the pool is short."""
+        while True:
+            need = sum(r.seq_len - r.kv_len for r in self.running)
+            short = need - self.allocator.available_size()
+            if short > 0:
+                self.cache.evict(short)
+            if need <= self.allocator.available_size():
+                break
+            if len(self.running) == 1:
+                req = self.running.pop()
+                req.finish_abort("the KV cache is too small for this request", status=503)
+                self._finish(req, outputs)
+                return
+            self._retract_one()
+        batch: list[tuple[Req, int, int]] = []
+        mixed = self._mix_in_decode(batch)
+        self._run_prefill(batch, mixed, outputs)
 
     def _write_next_slots(self, reqs: list[Req], slots: torch.Tensor) -> None:
         """Record each request's slot for its next token: req_to_token[row, kv_len]."""
@@ -447,6 +480,10 @@ class Scheduler:
             req.append_token(ids[i], self.eos_ids, self.context_length, lp, top)
             if req.grammar is not None:
                 req.advance_grammar(ids[i])
+                if self.args.jump_forward and not req.finished:
+                    self.stats["jump_forward_tokens"] += jump_forward(
+                        req, self.tokenizer, self.eos_ids, self.context_length
+                    )
         self.stats["generated_tokens"] += len(reqs)
 
     # ---- KV ownership -----------------------------------------------------------------------
