@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED
-from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
@@ -22,6 +20,7 @@ from genserve.srt.mem_cache import IntegrityError, create_prefix_cache
 from genserve.srt.messages import ReqOutput, TokenizedGenerateReq
 from genserve.srt.model_runner import ModelRunner
 from genserve.srt.sampling import Sampler, SamplingBatchInfo
+from genserve.srt.scheduler.grammar_queue import GrammarQueue, apply_grammar_masks
 from genserve.srt.scheduler.policy import create_policy
 from genserve.srt.scheduler.req import Req
 from genserve.srt.server_args import EngineArgs
@@ -61,7 +60,9 @@ class Scheduler:
             sorted(self.eos_ids),
             args.grammar_compile_timeout_s,
         )
-        self.compiling: list[Req] = []  # constrained requests whose grammar is compiling
+        # Constrained requests whose grammar is compiling.
+        self.compiling = GrammarQueue(self.grammar, args.grammar_compile_timeout_s) if (
+            self.grammar is not None) else None
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None  # a prefill split over several forwards
@@ -109,12 +110,8 @@ class Scheduler:
             req.finish_reason = {"type": "length", "length": 0}
             return req.make_output()
         self.reqs[req.rid] = req
-        key = req.params.grammar_key
-        if key is not None and self.grammar is not None:
-            # Compiles in the backend's thread; the request waits in `compiling` meanwhile.
-            req.grammar_future = self.grammar.submit(key)
-            req.grammar_deadline = time.monotonic() + self.args.grammar_compile_timeout_s
-            self.compiling.append(req)
+        if req.params.grammar_key is not None and self.compiling is not None:
+            self.compiling.add(req)  # compiles in the backend's thread meanwhile
             return None
         self.waiting.append(req)
         return None
@@ -127,22 +124,23 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.compiling)
+        return bool(self.waiting or self.running or self.chunked or self._num_compiling())
+
+    def _num_compiling(self) -> int:
+        return len(self.compiling) if self.compiling is not None else 0
 
     # ---- one scheduling step ----------------------------------------------------------------
 
     def step(self) -> list[ReqOutput]:
         outputs: list[ReqOutput] = []
         self._reap_aborted(outputs)
-        if self.compiling:
-            self._poll_compiling(outputs)
-            if not (self.waiting or self.running or self.chunked) and self.compiling:
-                # Nothing to run until a grammar is ready: wait for one briefly, not spin.
-                wait_futures(
-                    [r.grammar_future for r in self.compiling],
-                    timeout=0.01,
-                    return_when=FIRST_COMPLETED,
-                )
+        if self._num_compiling():
+            ready, ended = self.compiling.poll()  # type: ignore[union-attr]
+            self.waiting.extend(ready)
+            for req in ended:
+                self._finish(req, outputs)
+            if not (self.waiting or self.running or self.chunked) and self._num_compiling():
+                self.compiling.wait(0.01)  # type: ignore[union-attr]  # nothing else to run
                 return outputs
         t0 = time.perf_counter()
         n_running = len(self.running)
@@ -173,35 +171,6 @@ class Scheduler:
         else:
             what = f"decode {n_running}"
         logger.debug("step %s: %.1f ms, %d waiting", what, seconds * 1e3, len(self.waiting))
-
-    def _poll_compiling(self, outputs: list[ReqOutput]) -> None:
-        """Move requests whose grammar compiled to the waiting queue; end those whose grammar
-        failed (400 with the compiler's message), timed out or that were aborted."""
-        still: list[Req] = []
-        now = time.monotonic()
-        for req in self.compiling:
-            fut = req.grammar_future
-            if req.aborted:
-                req.finish_abort("aborted by client")
-            elif fut.done():
-                exc = fut.exception()
-                if exc is not None:
-                    req.finish_abort(str(exc), status=400)
-                else:
-                    req.grammar = self.grammar.matcher(fut.result())  # type: ignore[union-attr]
-                    self.waiting.append(req)
-                    continue
-            elif now > req.grammar_deadline:
-                req.finish_abort(
-                    f"the grammar did not compile within {self.args.grammar_compile_timeout_s:g}"
-                    " s; simplify the schema",
-                    status=400,
-                )
-            else:
-                still.append(req)
-                continue
-            self._finish(req, outputs)
-        self.compiling = still
 
     def _reap_aborted(self, outputs: list[ReqOutput]) -> None:
         for req in [r for r in self.waiting if r.aborted]:
@@ -457,13 +426,8 @@ class Scheduler:
             self.vocab_size,
             self.device,
         )
-        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        if constrained and self.grammar is not None:
-            bitmask = self.grammar.allocate_bitmask(len(constrained))
-            for k, i in enumerate(constrained):
-                reqs[i].grammar.fill_bitmask(bitmask, k)  # type: ignore[union-attr]
-            info.grammar_rows = torch.tensor(constrained, dtype=torch.long, device=self.device)
-            info.grammar_bitmask = bitmask.to(self.device)
+        if self.grammar is not None:
+            apply_grammar_masks(reqs, info, self.grammar, self.device)
         want_lp = any(r.return_logprob for r in reqs)
         top_k = max(r.top_logprobs_num for r in reqs)
         out = self.sampler.sample(logits, info, top_logprobs_num=top_k, return_logprob=want_lp)
@@ -555,7 +519,8 @@ class Scheduler:
             raise IntegrityError(
                 f"req_to_token rows leaked: {rows_used} in use for {len(self.live_reqs())} requests"
             )
-        if any(r.row is not None for r in self.waiting + self.compiling):
+        compiling = self.compiling.reqs if self.compiling is not None else []
+        if any(r.row is not None for r in self.waiting + compiling):
             raise IntegrityError("a waiting request still holds a req_to_token row")
 
     def flush_cache(self) -> bool:
@@ -574,8 +539,8 @@ class Scheduler:
             "kv_used_tokens": used,
             "kv_usage": used / self.max_total_tokens,
             "num_running_reqs": len(self.live_reqs()),
-            "num_waiting_reqs": len(self.waiting) + len(self.compiling),
-            "num_compiling_reqs": len(self.compiling),
+            "num_waiting_reqs": len(self.waiting) + self._num_compiling(),
+            "num_compiling_reqs": self._num_compiling(),
             "cache": {
                 "type": type(self.cache).__name__,
                 "total_tokens": self.cache.total_size(),
