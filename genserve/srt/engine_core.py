@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from genserve.srt.chat_roles import chat_role_markers
 from genserve.srt.model_config import ModelConfig
 from genserve.srt.model_loader import resolve_model_folder
 from genserve.srt.model_runner import ModelRunner
@@ -44,6 +45,7 @@ class Runtime:
             "max_total_tokens": self.runner.max_total_tokens,
             "eos_token_ids": list(cfg.eos_token_ids),
             "has_tokenizer": self.tokenizer is not None,
+            "chat_roles": chat_role_markers(self.tokenizer),
         }
 
 
