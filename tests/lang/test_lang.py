@@ -146,3 +146,30 @@ def test_errors_name_the_call(backend):
 def test_unreachable_server_is_a_clear_error():
     with pytest.raises(ProgramError, match="cannot reach the server at http://127.0.0.1:9"):
         RuntimeEndpoint("http://127.0.0.1:9")
+
+
+def test_generate_scoring_fields_over_http(server_url):
+    """What frontends send to /generate: prompt scoring in SGLang's shape, and clear 400s."""
+    import httpx
+
+    body = {"text": ["The capital of France is Paris", "The capital of France is Rome"],
+            "sampling_params": {"max_new_tokens": 0, "stop_regex": []},
+            "return_logprob": True, "return_text_in_logprobs": True, "logprob_start_len": 4,
+            "token_ids_logprob": [12]}
+    r = httpx.post(server_url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    paris, rome = (o["meta_info"] for o in r.json())
+    for meta in (paris, rome):
+        entries = meta["input_token_logprobs"]
+        assert entries[0][0] is None and len(entries) == meta["prompt_tokens"] - 4
+        assert all(len(e) == 3 and isinstance(e[2], str) for e in entries)
+        assert meta["output_token_logprobs"] == []
+        assert meta["input_token_ids_logprobs"][0] is None
+        assert [e[1] for e in meta["input_token_ids_logprobs"][1]] == [12]
+    assert paris["input_token_logprobs"][-1][2].strip() == "Paris"
+    assert paris["input_token_logprobs"][-1][0] > rome["input_token_logprobs"][-1][0]
+    for bad, field in (({"logprob_start_len": 2}, "return_logprob"),
+                       ({"return_logprob": True, "logprob_start_len": 99}, "logprob_start_len"),
+                       ({"sampling_params": {"stop_regex": "x+"}}, "stop_regex")):
+        r = httpx.post(server_url + "/generate", json={"text": "Hi", **bad}, timeout=60)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text

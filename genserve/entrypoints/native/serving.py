@@ -80,7 +80,7 @@ async def build_requests(client: LLMEngineClient, body: GenerateReqInput
     for ids, sp, rid, salt, start, id_lp in zip(
         prompts, params, rids, salts, starts, ids_lps, strict=True
     ):
-        if sp.stop_regex is not None:
+        if sp.stop_regex:  # SGLang's frontend sends [] when unset
             raise bad_request("stop_regex is not supported; use stop strings or a regex "
                               "constraint.", param="sampling_params.stop_regex")
         if start >= 0 and not body.return_logprob:
