@@ -162,6 +162,8 @@ class AsyncEngine(LLMEngineClient):
             req.return_logprob,
             req.top_logprobs_num,
             req.cache_salt,
+            req.logprob_start_len,
+            req.token_ids_logprob,
         )
         if tok_req.rid in self._states:
             raise ValueError(f"request id {tok_req.rid!r} is already running")

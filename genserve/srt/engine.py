@@ -47,10 +47,13 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         cache_salt: str | None = None,
+        logprob_start_len: int = -1,
+        token_ids_logprob: list[int] | None = None,
     ) -> dict | list[dict]:
         """Returns one result dict ({text, output_ids, meta_info}) for a single prompt with
         n == 1, else a list (prompt-major, n results per prompt). Raises ValueError on bad
-        input."""
+        input. With return_logprob and logprob_start_len >= 0, meta_info also scores the prompt
+        tokens from that position on (`input_token_logprobs`, SGLang's shape)."""
         prompts, single = self._normalize(prompt, input_ids)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
@@ -68,7 +71,8 @@ class Engine:
             for p in expand_n(params):
                 reqs.append(
                     make_tokenized_req(
-                        ids, p, None, False, return_logprob, top_logprobs_num, cache_salt
+                        ids, p, None, False, return_logprob, top_logprobs_num, cache_salt,
+                        logprob_start_len, token_ids_logprob,
                     )
                 )
         outputs = self._run(reqs)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from genserve.srt.chat_roles import chat_role_markers
 from genserve.srt.model_config import ModelConfig
 from genserve.srt.model_loader import resolve_model_folder
 from genserve.srt.model_runner import ModelRunner
@@ -45,6 +46,7 @@ class Runtime:
             "eos_token_ids": list(cfg.eos_token_ids),
             "has_tokenizer": self.tokenizer is not None,
             "grammar_backend": "xgrammar" if self.scheduler.grammar is not None else None,
+            "chat_roles": chat_role_markers(self.tokenizer),
         }
 
 

@@ -27,6 +27,11 @@ class GenerateRequest:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     cache_salt: str | None = None
+    # Input-token logprobs from this prompt position on (SGLang's `logprob_start_len`); -1: none.
+    logprob_start_len: int = -1
+    # Token ids whose logprobs are reported at every input (from logprob_start_len) and output
+    # position, whatever was sampled (SGLang's `token_ids_logprob`).
+    token_ids_logprob: list[int] | None = None
 
 
 @dataclass
@@ -36,6 +41,9 @@ class GenerateOutput:
     finish_reason: None while running, else {"type": "stop" | "length" | "abort",
     "matched": <stop token id or stop string or None>, "message": <for abort/errors>}.
     Logprobs are (logprob, token_id) pairs; top logprobs a list of such pairs per output token.
+    Input-token logprobs (SGLang's shape) cover prompt positions [logprob_start_len, prompt_len):
+    the first entry's logprob is None (nothing before it was scored), and the per-position lists
+    (top, token_ids) are None there too.
     """
 
     rid: str
@@ -49,6 +57,10 @@ class GenerateOutput:
     e2e_latency: float
     output_token_logprobs: list[tuple[float, int]] | None = None
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
+    output_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
     # Set when the request failed inside the engine (HTTP layer maps it to 5xx / 400).
     error: str | None = None
     error_status: int = 500
@@ -68,6 +80,12 @@ class GenerateOutput:
             meta["output_top_logprobs"] = [
                 [list(p) for p in row] for row in self.output_top_logprobs
             ]
+        if self.input_token_logprobs is not None:
+            meta["input_token_logprobs"] = [list(p) for p in self.input_token_logprobs]
+        for key in ("input_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs"):
+            rows = getattr(self, key)
+            if rows is not None:
+                meta[key] = [None if r is None else [list(p) for p in r] for r in rows]
         return meta
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,6 +113,8 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     namespace: str = ""  # cache_salt: identical tokens in other namespaces never share KV
     arrival_time: float = 0.0
+    logprob_start_len: int = -1  # see GenerateRequest
+    token_ids_logprob: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -132,8 +152,20 @@ class ReqOutput:
     cached_tokens: int
     new_logprobs: list[tuple[float, int]] | None = None
     new_top_logprobs: list[list[tuple[float, int]]] | None = None
+    new_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
+    # Sent once, with the first output after the prompt's prefill (see GenerateOutput).
+    input_logprobs: InputLogprobs | None = None
     error: str | None = None
     error_status: int = 500
+
+
+@dataclass
+class InputLogprobs:
+    """Scores of prompt tokens [logprob_start_len, prompt_len); entry 0 is never scored."""
+
+    token_logprobs: list[tuple[float | None, int]]
+    top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
 
 
 @dataclass

@@ -8,8 +8,11 @@ import time
 import uuid
 from typing import Any
 
-from genserve.srt.messages import GenerateOutput, ReqOutput, TokenizedGenerateReq
+from genserve.srt.messages import GenerateOutput, InputLogprobs, ReqOutput, TokenizedGenerateReq
 from genserve.srt.sampling.sampling_params import SamplingParams
+
+# Each listed id adds one gathered logprob per scored position.
+MAX_TOKEN_IDS_LOGPROB = 64
 
 
 def load_tokenizer(folder: Any) -> Any | None:
@@ -49,11 +52,34 @@ def make_tokenized_req(
     return_logprob: bool = False,
     top_logprobs_num: int = 0,
     cache_salt: str | None = None,
+    logprob_start_len: int = -1,
+    token_ids_logprob: list[int] | None = None,
 ) -> TokenizedGenerateReq:
     if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
         raise ValueError(f"top_logprobs_num must be an integer in [0, 20], got {top_logprobs_num}")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
         raise ValueError("input_ids must be a list of integers")
+    if isinstance(logprob_start_len, bool) or not isinstance(logprob_start_len, int):
+        raise ValueError(f"logprob_start_len must be an integer, got {logprob_start_len!r}")
+    if logprob_start_len < -1 or (input_ids and logprob_start_len >= len(input_ids)):
+        raise ValueError(
+            f"logprob_start_len ({logprob_start_len}) must be -1 (no input logprobs) or a prompt "
+            f"position in [0, {len(input_ids)})"
+        )
+    if logprob_start_len >= 0 and not return_logprob:
+        raise ValueError("logprob_start_len needs return_logprob: true")
+    ids_logprob = None
+    if token_ids_logprob is not None:
+        if not isinstance(token_ids_logprob, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids_logprob
+        ):
+            raise ValueError("token_ids_logprob must be a list of token ids (integers >= 0)")
+        if not 0 < len(token_ids_logprob) <= MAX_TOKEN_IDS_LOGPROB:
+            raise ValueError(
+                f"token_ids_logprob must hold 1 to {MAX_TOKEN_IDS_LOGPROB} token ids, "
+                f"got {len(token_ids_logprob)}"
+            )
+        ids_logprob = tuple(token_ids_logprob)
     return TokenizedGenerateReq(
         rid=rid or uuid.uuid4().hex,
         input_ids=list(input_ids),
@@ -63,6 +89,8 @@ def make_tokenized_req(
         top_logprobs_num=top_logprobs_num,
         namespace=cache_salt or "",
         arrival_time=time.monotonic(),
+        logprob_start_len=logprob_start_len,
+        token_ids_logprob=ids_logprob,
     )
 
 
@@ -76,6 +104,13 @@ class RequestState:
         self.output_ids: list[int] = []
         self.logprobs: list[tuple[float, int]] | None = [] if req.return_logprob else None
         self.top: list[list[tuple[float, int]]] | None = [] if req.top_logprobs_num else None
+        self.ids_lp: list[list[tuple[float, int]]] | None = (
+            [] if req.token_ids_logprob is not None else None
+        )
+        # Input logprobs come once, after the prompt's prefill; an empty list until then.
+        self.input_lp: InputLogprobs | None = (
+            InputLogprobs([]) if req.return_logprob else None
+        )
         self.last: GenerateOutput | None = None
 
     def update(self, out: ReqOutput) -> GenerateOutput:
@@ -85,6 +120,11 @@ class RequestState:
             self.logprobs.extend(tuple(p) for p in out.new_logprobs)  # type: ignore[misc]
         if self.top is not None and out.new_top_logprobs:
             self.top.extend([tuple(p) for p in row] for row in out.new_top_logprobs)  # type: ignore[misc]
+        if self.ids_lp is not None and out.new_token_ids_logprobs:
+            self.ids_lp.extend(out.new_token_ids_logprobs)
+        if out.input_logprobs is not None:
+            self.input_lp = out.input_logprobs
+        inp = self.input_lp
         self.last = GenerateOutput(
             rid=out.rid,
             text=self.text,
@@ -97,6 +137,14 @@ class RequestState:
             e2e_latency=time.perf_counter() - self.start,
             output_token_logprobs=list(self.logprobs) if self.logprobs is not None else None,
             output_top_logprobs=list(self.top) if self.top is not None else None,
+            input_token_logprobs=inp.token_logprobs if inp is not None else None,
+            input_top_logprobs=(
+                inp.top_logprobs if inp is not None and self.top is not None else None
+            ),
+            input_token_ids_logprobs=(
+                inp.token_ids_logprobs if inp is not None and self.ids_lp is not None else None
+            ),
+            output_token_ids_logprobs=list(self.ids_lp) if self.ids_lp is not None else None,
             error=out.error,
             error_status=out.error_status,
         )

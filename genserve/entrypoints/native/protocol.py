@@ -38,6 +38,8 @@ class SamplingParams(LenientModel):
     regex: str | None = None
     ebnf: str | None = None
     logit_bias: dict[str, float] | None = None
+    # SGLang's frontend sends this key (null unless a program sets it); not supported yet.
+    stop_regex: str | list[str] | None = None
 
     def to_engine(self) -> dict[str, Any]:
         params = self.model_dump(exclude_none=True)
@@ -52,7 +54,10 @@ class GenerateReqInput(LenientModel):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
-    logprob_start_len: int = -1  # only output-token logprobs are returned
+    # Score the prompt from this token position on (input_token_logprobs); -1: outputs only.
+    logprob_start_len: int | list[int] = -1
+    # Also report these token ids' logprobs at every scored position, sampled or not.
+    token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
     cache_salt: str | list[str] | None = None

@@ -77,9 +77,27 @@ async def build_requests(client: LLMEngineClient, body: GenerateReqInput
     params = _per_prompt(body.sampling_params or SamplingParams(), count, "sampling_params")
     rids = _per_prompt(body.rid, count, "rid")
     salts = _per_prompt(body.cache_salt, count, "cache_salt")
+    starts = _per_prompt(body.logprob_start_len, count, "logprob_start_len")
+    ids_lp = body.token_ids_logprob
+    if ids_lp and isinstance(ids_lp[0], list):
+        ids_lps = _per_prompt(ids_lp, count, "token_ids_logprob")
+    else:
+        ids_lps = [ids_lp] * count
     reqs: list[GenerateRequest] = []
-    for ids, sp, rid, salt in zip(prompts, params, rids, salts, strict=True):
+    for ids, sp, rid, salt, start, id_lp in zip(
+        prompts, params, rids, salts, starts, ids_lps, strict=True
+    ):
+        if sp.stop_regex:  # SGLang's frontend sends [] when unset
+            raise bad_request("stop_regex is not supported; use stop strings or a regex "
+                              "constraint.", param="sampling_params.stop_regex")
+        if start >= 0 and not body.return_logprob:
+            raise bad_request("logprob_start_len needs return_logprob: true.",
+                              param="logprob_start_len")
+        if start < -1 or start >= max(len(ids), 1):
+            raise bad_request(f"logprob_start_len ({start}) must be -1 or a prompt position in "
+                              f"[0, {len(ids)}).", param="logprob_start_len")
         engine_params = sp.to_engine()
+        engine_params.pop("stop_regex", None)
         if (sp.json_schema or sp.regex or sp.ebnf) and not supports_grammar(client):
             raise bad_request("Constrained decoding (json_schema / regex / ebnf) is not "
                               "supported by this engine yet.", param="sampling_params")
@@ -93,22 +111,27 @@ async def build_requests(client: LLMEngineClient, body: GenerateReqInput
             reqs.append(GenerateRequest(
                 rid=base_rid if n == 1 else f"{base_rid}-{i}", input_ids=ids,
                 sampling_params=p, stream=STREAM_FROM_ENGINE, return_logprob=body.return_logprob,
-                top_logprobs_num=body.top_logprobs_num, cache_salt=salt))
+                top_logprobs_num=body.top_logprobs_num, cache_salt=salt,
+                logprob_start_len=start, token_ids_logprob=id_lp))
         is_batch = is_batch or n > 1  # SGLang answers n > 1 with a list
     return reqs, is_batch
 
 
 def _render(client: LLMEngineClient, out: GenerateOutput, with_text: bool) -> dict[str, Any]:
+    """The response dict; with_text makes every logprob entry [logprob, token_id, text]."""
     result = out.to_dict()
     decode = getattr(client, "decode", None)
     if with_text and decode is not None:
         meta = result["meta_info"]
-        if "output_token_logprobs" in meta:
-            meta["output_token_logprobs"] = [
-                [lp, tid, decode([tid])] for lp, tid in meta["output_token_logprobs"]]
-        if "output_top_logprobs" in meta:
-            meta["output_top_logprobs"] = [[[lp, tid, decode([tid])] for lp, tid in row]
-                                           for row in meta["output_top_logprobs"]]
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            if key in meta:
+                meta[key] = [[lp, tid, decode([tid])] for lp, tid in meta[key]]
+        for key in ("input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs",
+                    "output_token_ids_logprobs"):
+            if key in meta:
+                meta[key] = [None if row is None else [[lp, tid, decode([tid])]
+                                                       for lp, tid in row]
+                             for row in meta[key]]
     return result
 
 

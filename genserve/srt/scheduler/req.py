@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from genserve.srt.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from genserve.srt.messages import ReqOutput, TokenizedGenerateReq
+from genserve.srt.messages import InputLogprobs, ReqOutput, TokenizedGenerateReq
 from genserve.srt.sampling import SamplingParams
 
 
@@ -29,6 +29,13 @@ class Req:
         self.top_logprobs_num = msg.top_logprobs_num
         self.arrival_time = msg.arrival_time or time.monotonic()
         self.output_ids: list[int] = []
+        self.logprob_start_len = msg.logprob_start_len
+        self.token_ids_logprob = msg.token_ids_logprob
+        # True until the prompt's prefill has scored [logprob_start_len, prompt_len).
+        self.input_scores_pending = self.return_logprob and self.logprob_start_len >= 0
+        self._input_scores: InputLogprobs | None = None
+        self._input_scores_ready: InputLogprobs | None = None
+        self._pending_ids_lp: list[list[tuple[float, int]]] = []
 
         self.row: int | None = None
         self.kv_len = 0
@@ -83,6 +90,48 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def max_prefix_len(self) -> int:
+        """How much of fill_ids the prefix cache may serve: positions that must be scored are
+        computed, never matched."""
+        if self.input_scores_pending:
+            return min(self.logprob_start_len, self.seq_len - 1)
+        return self.seq_len - 1
+
+    def reset_input_scores(self) -> None:
+        """(Re)start scoring the prompt: a prefill from the capped prefix covers it all."""
+        if self.input_scores_pending:
+            start = self.logprob_start_len
+            self._input_scores = InputLogprobs(
+                token_logprobs=[(None, self.origin_input_ids[start])],
+                top_logprobs=[None] if self.top_logprobs_num > 0 else None,
+                token_ids_logprobs=[None] if self.token_ids_logprob else None,
+            )
+
+    def add_input_scores(
+        self,
+        values: list[float],
+        tokens: list[int],
+        top: list[list[tuple[float, int]]] | None,
+        chosen: list[list[tuple[float, int]]] | None,
+    ) -> None:
+        scores = self._input_scores
+        assert scores is not None, "reset_input_scores() runs at admission"
+        scores.token_logprobs.extend(zip(values, tokens))
+        if scores.top_logprobs is not None and top is not None:
+            scores.top_logprobs.extend(top)
+        if scores.token_ids_logprobs is not None and chosen is not None:
+            scores.token_ids_logprobs.extend(chosen)
+
+    def finish_input_scores(self) -> None:
+        """The prompt is fully prefilled: its scores go out with the next output."""
+        if self.input_scores_pending:
+            self.input_scores_pending = False
+            self._input_scores_ready, self._input_scores = self._input_scores, None
+
+    def add_output_token_ids_logprobs(self, row: list[tuple[float, int]]) -> None:
+        self._pending_ids_lp.append(row)
 
     def owned_kv(self) -> int:
         return self.kv_len - self.cache_prefix_len if self.row is not None else 0
@@ -187,8 +236,11 @@ class Req:
             cached_tokens=max(self.cached_tokens, 0),
             new_logprobs=self._pending_logprobs if self.return_logprob else None,
             new_top_logprobs=self._pending_top if self.top_logprobs_num > 0 else None,
+            new_token_ids_logprobs=self._pending_ids_lp if self.token_ids_logprob else None,
+            input_logprobs=self._input_scores_ready,
             error=self.error,
             error_status=self.error_status,
         )
-        self._pending_logprobs, self._pending_top = [], []
+        self._pending_logprobs, self._pending_top, self._pending_ids_lp = [], [], []
+        self._input_scores_ready = None
         return out

@@ -21,6 +21,11 @@ from genserve.srt.messages import ReqOutput, TokenizedGenerateReq
 from genserve.srt.model_runner import ModelRunner
 from genserve.srt.sampling import Sampler, SamplingBatchInfo
 from genserve.srt.scheduler.grammar_queue import GrammarQueue, apply_grammar_masks
+from genserve.srt.scheduler.input_logprobs import (
+    plan_scored_rows,
+    score_prompt_rows,
+    score_token_ids,
+)
 from genserve.srt.scheduler.policy import create_policy
 from genserve.srt.scheduler.req import Req
 from genserve.srt.server_args import EngineArgs
@@ -103,12 +108,13 @@ class Scheduler:
             error = f"logit_bias token ids must be in [0, {self.vocab_size})"
         elif req.params.grammar_key is not None and self.grammar is None:
             error = "constrained decoding is disabled on this server (--grammar-backend none)"
+        elif req.token_ids_logprob and max(req.token_ids_logprob) >= self.vocab_size:
+            error = f"token_ids_logprob ids must be in [0, {self.vocab_size})"
         if error is not None:
             req.finish_abort(error, status=400)
             return req.make_output()
-        if max_new == 0:
-            req.finish_reason = {"type": "length", "length": 0}
-            return req.make_output()
+        # max_new_tokens == 0 still prefills: the prompt lands in the prefix cache (a frontend
+        # caches a shared prefix this way) and can be scored; nothing is sampled.
         self.reqs[req.rid] = req
         if req.params.grammar_key is not None and self.compiling is not None:
             self.compiling.add(req)  # compiles in the backend's thread meanwhile
@@ -219,7 +225,7 @@ class Scheduler:
             if self.req_to_token_pool.available_size() == 0:
                 break
             fill = req.fill_ids
-            m = self.cache.match_prefix(fill[:-1], req.namespace)
+            m = self.cache.match_prefix(fill[: req.max_prefix_len], req.namespace)
             prefix = int(m.indices.numel())
             extend = len(fill) - prefix
             if extend > _DEDUPE_MIN_TOKENS:
@@ -239,6 +245,7 @@ class Scheduler:
             assert row is not None  # checked above
             req.row = row[0]
             req.cache_prefix_len, req.last_node, req.kv_len = prefix, m.last_node, prefix
+            req.reset_input_scores()
             if prefix:
                 self.req_to_token_pool.write(req.row, 0, m.indices)
             if req.cached_tokens < 0:
@@ -342,7 +349,13 @@ class Scheduler:
             [n for _, _, n in batch],
             torch.cat(locs),
         )
+        scored = plan_scored_rows(batch)
+        if scored is not None:
+            fb.logits_indices = torch.tensor(scored.rows, dtype=torch.int64, device=self.device)
         logits = self.runner.forward(fb)
+        if scored is not None:
+            score_prompt_rows(scored, logits)
+            logits = logits[scored.last]
         self.stats["prefill_batches"] += 1
         done: list[int] = []
         for i, (req, prefix, n) in enumerate(batch):
@@ -351,7 +364,12 @@ class Scheduler:
                 self._insert_prefix(req)
                 self.chunked = req
             else:
-                done.append(i)
+                req.finish_input_scores()
+                if req.params.max_new_tokens == 0:  # prompt only: cached and scored
+                    req.finish_reason = {"type": "length", "length": 0}
+                    self._finish(req, outputs)
+                else:
+                    done.append(i)
         if not done:
             return
         reqs = [batch[i][0] for i in done]
@@ -431,6 +449,7 @@ class Scheduler:
         want_lp = any(r.return_logprob for r in reqs)
         top_k = max(r.top_logprobs_num for r in reqs)
         out = self.sampler.sample(logits, info, top_logprobs_num=top_k, return_logprob=want_lp)
+        score_token_ids(reqs, logits)
         ids = out.next_token_ids.tolist()
         lps = out.logprobs.tolist() if out.logprobs is not None else None
         top_v = out.top_logprobs_values.tolist() if out.top_logprobs_values is not None else None
