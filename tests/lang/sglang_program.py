@@ -30,6 +30,12 @@ def branches(s):
 
 
 @sgl.function
+def year(s):
+    s += "The year the Eiffel Tower was completed:"
+    s += sgl.gen("year", regex=r" (1[0-9]{3})", max_tokens=6, temperature=0)
+
+
+@sgl.function
 def capital(s, country):
     s += f"The capital of {country} is"
     s += sgl.gen("a", max_tokens=6, temperature=0)
@@ -42,6 +48,7 @@ def main() -> None:
     out["fork_text"] = state.text()
     batch = capital.run_batch([{"country": c} for c in ("France", "Italy")])
     out["batch"] = [st["a"] for st in batch]
+    out["year"] = year.run()["year"]
     stream = capital.run(country="France", stream=True)
     out["stream_chunks"] = list(stream.text_iter())
     out["stream_text"] = stream.text()

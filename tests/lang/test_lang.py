@@ -114,6 +114,33 @@ def test_run_batch_keeps_order_with_a_progress_bar(backend):
     assert "Paris" in states[0]["answer"]
 
 
+def test_regex_and_json_schema_gens(backend):
+    import json
+    import re
+
+    person = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+
+    @function
+    def structured(s):
+        s += user("Alice is 31. When was she born, and who is she?")
+        s += assistant("Born in " + gen("year", regex=r"(19|20)[0-9]{2}", max_tokens=6)
+                       + ". As JSON: " + gen("person", json_schema=person, max_tokens=40))
+
+    state = structured.run(backend=backend, temperature=0)
+    assert re.fullmatch(r"(19|20)[0-9]{2}", state["year"])
+    parsed = json.loads(state["person"])
+    assert isinstance(parsed["name"], str) and isinstance(parsed["age"], int)
+
+    @function
+    def bad_regex(s):
+        s += "x" + gen("broken", regex="(unclosed", max_tokens=4)
+
+    with pytest.raises(ProgramError, match=r"gen\('broken'\).*(regex|parenthes)"):
+        bad_regex.run(backend=backend)
+
+
 def test_streaming_text_iter(backend):
     state = capital.run(country="France", backend=backend, temperature=0, stream=True)
     chunks = list(state.text_iter())

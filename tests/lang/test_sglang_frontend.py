@@ -1,10 +1,11 @@
 """SGLang's own frontend (`sglang.RuntimeEndpoint`, installed with --no-deps) runs programs
 unchanged against a real genserve server: gen, select (input-token logprobs), fork (prefix
-caching through max_new_tokens 0), run_batch and streaming."""
+caching through max_new_tokens 0), regex, run_batch and streaming."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,5 +27,6 @@ def test_sglang_programs_run_unchanged(server_url):
     assert out["fork_text"].count("Fact 1:") == 1 and out["fork_text"].count("Fact 2:") == 1
     assert out["fork_text"].endswith("Done.")
     assert "Paris" in out["batch"][0] and "Rome" in out["batch"][1]
+    assert re.fullmatch(r" 1[0-9]{3}", out["year"]), out["year"]
     assert len(out["stream_chunks"]) > 2
     assert "".join(out["stream_chunks"]) == out["stream_text"]

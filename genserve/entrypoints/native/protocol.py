@@ -38,7 +38,7 @@ class SamplingParams(LenientModel):
     regex: str | None = None
     ebnf: str | None = None
     logit_bias: dict[str, float] | None = None
-    # SGLang's frontend sends this key (null unless a program sets it); not supported yet.
+    # SGLang's frontend sends this key ([] unless a program sets it); not supported yet.
     stop_regex: str | list[str] | None = None
 
     def to_engine(self) -> dict[str, Any]:
