@@ -46,6 +46,10 @@ class AsyncEngine(LLMEngineClient):
         self.args = replace(args, model_path=str(folder))
         self.model_name = name
         self.tokenizer = load_tokenizer(folder)
+        from genserve.srt.multimodal.processor import VisionInputProcessor
+
+        self.vision = VisionInputProcessor.from_folder(folder, args.max_images_per_request)
+        self.modalities = ("text", "image") if self.vision is not None else ("text",)
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         from genserve.srt.scheduler.process import run_scheduler_process
@@ -62,6 +66,7 @@ class AsyncEngine(LLMEngineClient):
         self._info: dict[str, Any] = ready.payload
         self._info["model_path"] = args.model_path or name
         self._info["model_name"] = name
+        self._info["modalities"] = list(self.modalities)
         self.context_length = int(ready.payload["context_length"])
         self._dead: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -148,6 +153,13 @@ class AsyncEngine(LLMEngineClient):
             ids = await asyncio.get_running_loop().run_in_executor(None, self.tokenize, req.text)
         else:
             raise ValueError("a request needs text or input_ids")
+        mm_inputs = None
+        if req.images:
+            if self.vision is None:
+                raise ValueError(f"model {self.model_name!r} does not take image inputs")
+            ids, mm_inputs = await asyncio.get_running_loop().run_in_executor(
+                None, self.vision.process, ids, list(req.images)
+            )
         total = len(ids) + params.max_new_tokens
         if total > self.context_length:
             raise ValueError(
@@ -162,6 +174,7 @@ class AsyncEngine(LLMEngineClient):
             req.return_logprob,
             req.top_logprobs_num,
             req.cache_salt,
+            mm_inputs,
         )
         if tok_req.rid in self._states:
             raise ValueError(f"request id {tok_req.rid!r} is already running")

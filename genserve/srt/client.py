@@ -15,6 +15,8 @@ class LLMEngineClient(ABC):
 
     model_name: str  # id shown in /v1/models
     context_length: int  # max prompt + output tokens
+    # Input kinds it takes; vision-language models add "image" (GenerateRequest.images).
+    modalities: tuple[str, ...] = ("text",)
 
     @abstractmethod
     def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:

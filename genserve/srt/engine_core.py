@@ -44,6 +44,7 @@ class Runtime:
             "max_total_tokens": self.runner.max_total_tokens,
             "eos_token_ids": list(cfg.eos_token_ids),
             "has_tokenizer": self.tokenizer is not None,
+            "modalities": ["text", "image"] if cfg.multimodal else ["text"],
         }
 
 

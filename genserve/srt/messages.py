@@ -27,6 +27,8 @@ class GenerateRequest:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     cache_salt: str | None = None
+    # Encoded image files (PNG, JPEG, ...), one per image placeholder of the prompt, in order.
+    images: list[bytes] | None = None
 
 
 @dataclass
@@ -83,6 +85,30 @@ class GenerateOutput:
 
 
 @dataclass
+class ImageItem:
+    """One image of a request, preprocessed by the model's HF image processor.
+
+    Its `num_tokens` placeholder tokens are input_ids[offset : offset + num_tokens].
+    `content_hash` (hex) identifies the processed pixels: equal hashes mean equal embeddings.
+    """
+
+    content_hash: str
+    pixel_values: Any  # numpy array, layout as the processor makes it
+    grid_thw: tuple[int, int, int] | None  # Qwen2-VL patch grid (t, h, w); None for LLaVA
+    offset: int
+    num_tokens: int
+
+
+@dataclass
+class MultimodalInputs:
+    images: list[ImageItem]
+    # M-RoPE models (Qwen2-VL): [3, len(input_ids)] int64 positions of the prompt, and the
+    # shift of every later position (output token i sits at len(input_ids) + i + delta).
+    mrope_positions: Any = None
+    mrope_delta: int = 0
+
+
+@dataclass
 class TokenizedGenerateReq:
     """A validated, tokenized request (n == 1). `sampling_params` is a validated
     `genserve.srt.sampling.SamplingParams` (a plain frozen dataclass; pickles cheaply)."""
@@ -95,6 +121,7 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     namespace: str = ""  # cache_salt: identical tokens in other namespaces never share KV
     arrival_time: float = 0.0
+    mm_inputs: MultimodalInputs | None = None
 
 
 @dataclass

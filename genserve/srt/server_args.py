@@ -29,6 +29,9 @@ class EngineArgs:
     max_queued_requests: int | None = None  # None = unbounded waiting queue
     random_seed: int = 0
     num_threads: int = 0  # torch threads in the scheduler process; 0 = torch default
+    # Vision-language models: byte budget of the image-embedding LRU, images per request.
+    image_cache_bytes: int = 512 * 1024 * 1024
+    max_images_per_request: int = 16
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -56,5 +59,11 @@ class EngineArgs:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.image_cache_bytes < 0:
+            raise ValueError(f"image_cache_bytes must be >= 0, got {self.image_cache_bytes}")
+        if self.max_images_per_request < 1:
+            raise ValueError(
+                f"max_images_per_request must be >= 1, got {self.max_images_per_request}"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")

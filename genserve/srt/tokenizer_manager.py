@@ -8,7 +8,12 @@ import time
 import uuid
 from typing import Any
 
-from genserve.srt.messages import GenerateOutput, ReqOutput, TokenizedGenerateReq
+from genserve.srt.messages import (
+    GenerateOutput,
+    MultimodalInputs,
+    ReqOutput,
+    TokenizedGenerateReq,
+)
 from genserve.srt.sampling.sampling_params import SamplingParams
 
 
@@ -49,6 +54,7 @@ def make_tokenized_req(
     return_logprob: bool = False,
     top_logprobs_num: int = 0,
     cache_salt: str | None = None,
+    mm_inputs: MultimodalInputs | None = None,
 ) -> TokenizedGenerateReq:
     if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
         raise ValueError(f"top_logprobs_num must be an integer in [0, 20], got {top_logprobs_num}")
@@ -63,6 +69,7 @@ def make_tokenized_req(
         top_logprobs_num=top_logprobs_num,
         namespace=cache_salt or "",
         arrival_time=time.monotonic(),
+        mm_inputs=mm_inputs,
     )
 
 

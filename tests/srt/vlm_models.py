@@ -1,0 +1,189 @@
+"""Tiny random-weight vision-language checkpoints (HF format: config, safetensors, word-level
+tokenizer with a chat template, image processor), saved into a folder like a real one."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SPECIALS = [
+    "<unk>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<image>",
+]
+WORDS = (
+    "system user assistant you are a helpful what is in the image describe this picture and "
+    "compare two images color of shape how many ? . , red blue green square circle left right"
+).split()
+VOCAB_SIZE = 300
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% else %}<|vision_start|><|image_pad|><|vision_end|>{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(folder: Path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+    for i in range(len(vocab), 256):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIALS[2:],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def make_tiny_qwen2_vl(
+    folder: Path, arch: str = "qwen2_vl", seed: int = 0, vision: dict | None = None, layers: int = 2
+) -> Path:
+    """A 2-layer Qwen2-VL (or Qwen2.5-VL) with a 2-block vision tower, saved to `folder`."""
+    import transformers as tf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(folder)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
+    text = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        initializer_range=0.2,
+        eos_token_id=ids["<|im_end|>"],
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
+    vis = dict(
+        depth=2,
+        hidden_size=64,
+        num_heads=4,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        initializer_range=0.2,
+    )
+    if arch == "qwen2_vl":
+        vis.update(embed_dim=32, mlp_ratio=2)
+        cfg_cls, model_cls = tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration
+    else:
+        vis.update(
+            intermediate_size=64, out_hidden_size=64, window_size=56, fullatt_block_indexes=[1]
+        )
+        cfg_cls, model_cls = tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration
+        vis["hidden_size"] = 32
+    vis.update(vision or {})
+    cfg = cfg_cls(
+        text_config=text,
+        vision_config=vis,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        eos_token_id=ids["<|im_end|>"],
+    )
+    torch.manual_seed(seed)
+    model = model_cls(cfg)
+    with torch.no_grad():  # make the q/k/v biases matter
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+                p.normal_(std=0.2)
+    model.save_pretrained(folder, safe_serialization=True)
+    image_processor(folder)
+    return folder
+
+
+def image_processor(folder: Path):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    proc = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 64)
+    proc.save_pretrained(folder)
+    return proc
+
+
+def png_bytes(width: int, height: int, seed: int) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    arr = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def hf_reference(
+    folder: Path, ids: list[int], images: list[bytes], max_new_tokens: int = 32, model=None
+) -> list[int]:
+    """Greedy tokens of Hugging Face transformers for a prompt whose image placeholders are
+    single tokens (expanded here the way HF's processor does it)."""
+    import transformers as tf
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    cfg = tf.AutoConfig.from_pretrained(folder)
+    if model is None:
+        model = tf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    model.eval()
+    kwargs = {}
+    expanded = list(ids)
+    if images:
+        proc = AutoImageProcessor.from_pretrained(folder)
+        pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+        out = proc(images=pil, return_tensors="np")
+        grids = out["image_grid_thw"]
+        merge = cfg.vision_config.spatial_merge_size
+        expanded, k = [], 0
+        for t in ids:
+            if t == cfg.image_token_id:
+                expanded += [t] * int(grids[k].prod() // merge**2)
+                k += 1
+            else:
+                expanded.append(t)
+        kwargs = dict(
+            pixel_values=torch.from_numpy(out["pixel_values"]),
+            image_grid_thw=torch.from_numpy(grids),
+        )
+    inp = torch.tensor([expanded])
+    kwargs["mm_token_type_ids"] = (inp == cfg.image_token_id).int()
+    with torch.no_grad():
+        gen = model.generate(
+            input_ids=inp,
+            attention_mask=torch.ones_like(inp),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            **kwargs,
+        )
+    return gen[0, len(expanded) :].tolist()
