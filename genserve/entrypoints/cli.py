@@ -37,6 +37,10 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of the LLM scheduler process (default: torch's choice).")
     g.add_argument("--disable-radix-cache", action="store_true")
+    g.add_argument("--max-images-per-request", type=int, default=None,
+                   help="Vision models: images one request may carry (default 16).")
+    g.add_argument("--image-cache-bytes", type=int, default=None,
+                   help="Vision models: byte budget of the image-embedding cache.")
 
 
 def _add_diffusion_args(p: argparse.ArgumentParser) -> None:
@@ -61,6 +65,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="Allow this browser origin (repeatable; CORS is off by default).")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
+    p.add_argument("--allowed-image-domains", action="append", default=None, metavar="HOSTS",
+                   help="Vision models: fetch http(s) image URLs from these hosts (comma "
+                        "separated, repeatable; '*' = any public host). Default: image URLs "
+                        "are refused; base64 data URLs always work.")
+    p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024,
+                   help="Largest image file a vision request may send or fetch.")
     p.add_argument("--max-realtime-sessions", type=int, default=4,
                    help="Concurrent realtime video WebSocket sessions.")
     p.add_argument("--no-llm", action="store_true", help="Do not start an LLM runtime.")

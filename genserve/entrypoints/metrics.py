@@ -139,6 +139,11 @@ class GatewayMetrics:
         self.kv_usage = Gauge("genserve_kv_cache_usage", "Fraction of the KV pool in use.", m)
         self.max_total_tokens = Gauge(
             "genserve_max_total_tokens", "KV pool capacity in tokens.", m)
+        self.images_encoded = Gauge(
+            "genserve_vision_images_encoded",
+            "Images the vision encoder has run on (a repeated image is not encoded again).", m)
+        self.images_cached = Gauge(
+            "genserve_vision_cached_images", "Image embeddings held by the image cache.", m)
         self.in_flight = Gauge("genserve_gateway_in_flight_reqs",
                                "Requests the gateway holds (admitted, not finished).", m)
 
@@ -152,6 +157,10 @@ class GatewayMetrics:
             value = info.get(key)
             if isinstance(value, (int, float)):
                 gauge.set(float(value), model)
+        vision = info.get("multimodal")
+        if isinstance(vision, dict):
+            self.images_encoded.set(float(vision.get("images_encoded", 0)), model)
+            self.images_cached.set(float(vision.get("cached_images", 0)), model)
 
     def render(self) -> str:
         lines: list[str] = []

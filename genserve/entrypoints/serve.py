@@ -42,7 +42,8 @@ def engine_args_from(args: argparse.Namespace, model_path: str | None) -> Any:
         "disable_radix_cache": args.disable_radix_cache,
         "attention_backend": args.attention_backend,
     }
-    for name in ("dtype", "mem_fraction", "chunked_prefill_size", "page_size", "num_threads"):
+    for name in ("dtype", "mem_fraction", "chunked_prefill_size", "page_size", "num_threads",
+                 "max_images_per_request", "image_cache_bytes"):
         value = getattr(args, name, None)
         if value is not None:  # else the runtime's default
             kwargs[name] = value
@@ -58,7 +59,11 @@ def gateway_config_from(args: argparse.Namespace) -> GatewayConfig:
         api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         cors_origins=tuple(args.cors_origin or ()), max_queued_requests=limit,
         served_model_names=tuple(args.served_model_name or ()),
-        max_realtime_sessions=args.max_realtime_sessions, host=args.host, port=args.port)
+        max_realtime_sessions=args.max_realtime_sessions, host=args.host, port=args.port,
+        allowed_image_domains=tuple(
+            d.strip() for arg in args.allowed_image_domains or () for d in arg.split(",")
+            if d.strip()),
+        max_image_bytes=args.max_image_bytes)
 
 
 def _wanted(args: argparse.Namespace) -> tuple[bool, bool]:

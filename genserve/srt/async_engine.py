@@ -20,6 +20,7 @@ from genserve.srt.messages import (
     ControlResp,
     GenerateOutput,
     GenerateRequest,
+    MultimodalInputs,
     ReqOutput,
 )
 from genserve.srt.sampling.sampling_params import SamplingParams
@@ -153,13 +154,9 @@ class AsyncEngine(LLMEngineClient):
             ids = await asyncio.get_running_loop().run_in_executor(None, self.tokenize, req.text)
         else:
             raise ValueError("a request needs text or input_ids")
-        mm_inputs = None
-        if req.images:
-            if self.vision is None:
-                raise ValueError(f"model {self.model_name!r} does not take image inputs")
-            ids, mm_inputs = await asyncio.get_running_loop().run_in_executor(
-                None, self.vision.process, ids, list(req.images)
-            )
+        mm_inputs = req.mm_inputs
+        if mm_inputs is not None and self.vision is None:
+            raise ValueError(f"model {self.model_name!r} does not take image inputs")
         total = len(ids) + params.max_new_tokens
         if total > self.context_length:
             raise ValueError(
@@ -198,6 +195,15 @@ class AsyncEngine(LLMEngineClient):
             self._states.pop(tok_req.rid, None)
             if not finished and not self._dead:
                 self._outbox.put(AbortReq(tok_req.rid))
+
+    async def process_images(
+        self, input_ids: list[int], images: list[bytes]
+    ) -> tuple[list[int], MultimodalInputs]:
+        if self.vision is None:
+            return await super().process_images(input_ids, images)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self.vision.process, list(input_ids), list(images)
+        )
 
     async def abort(self, rid: str) -> bool:
         if rid not in self._states:

@@ -27,8 +27,9 @@ class GenerateRequest:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     cache_salt: str | None = None
-    # Encoded image files (PNG, JPEG, ...), one per image placeholder of the prompt, in order.
-    images: list[bytes] | None = None
+    # Vision models: the images of `input_ids` (from `LLMEngineClient.process_images`, which
+    # also expanded their placeholders).
+    mm_inputs: MultimodalInputs | None = None
 
 
 @dataclass

@@ -38,14 +38,17 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer(folder: Path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
-    for i in range(len(vocab), 256):
-        vocab[f"w{i}"] = i
+    # Byte-level words ("Ġ" = a leading space, "Ċ" = newline), so decoding is exact.
+    pieces = SPECIALS + ["Ċ"] + [p for w in WORDS for p in (w, "Ġ" + w)]
+    vocab = {t: i for i, t in enumerate(pieces)}
+    for i in range(len(vocab), VOCAB_SIZE):
+        vocab[f"Ġw{i}"] = i
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",

@@ -145,7 +145,7 @@ async def _fetch(url: str, policy: ImageFetchPolicy, resolver: Resolver, transpo
             request = client.build_request(
                 "GET",
                 ip_url,
-                headers={"Host": target.netloc.rsplit("@", 1)[-1]},
+                headers={"Host": target.netloc, "Accept-Encoding": "identity"},
                 extensions=extensions,
             )
             try:
@@ -184,7 +184,12 @@ async def _checked_target(url: str, policy: ImageFetchPolicy, resolver: Resolver
         )
     port = target.port or (443 if target.scheme == "https" else 80)
     try:
-        addresses = await resolver(host, port)
+        ipaddress.ip_address(host)
+        addresses = [host]  # an IP literal is checked as written
+    except ValueError:
+        addresses = None
+    try:
+        addresses = addresses or await resolver(host, port)
     except OSError as exc:
         raise ImageInputError(f"cannot resolve image host {host!r}: {exc}") from None
     if not addresses:
@@ -205,7 +210,7 @@ async def _read_capped(response: Any, max_bytes: int) -> bytes:
     if length is not None and length.isdigit() and int(length) > max_bytes:
         raise ImageInputError(f"the image ({length} bytes) exceeds the {max_bytes} byte limit")
     buf = bytearray()
-    async for chunk in response.aiter_raw():
+    async for chunk in response.aiter_bytes():  # decoded: the cap holds for gzip too
         buf.extend(chunk)
         if len(buf) > max_bytes:
             raise ImageInputError(f"the image exceeds the {max_bytes} byte limit")
@@ -241,6 +246,6 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Any:
     except UnidentifiedImageError:
         raise ImageInputError("the image cannot be decoded (unknown or corrupt format)") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise ImageInputError("the image is too large to decode") from None
+        raise ImageInputError("the image has more pixels than this server decodes") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise ImageInputError(f"the image cannot be decoded: {exc}") from None
