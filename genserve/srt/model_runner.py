@@ -24,9 +24,9 @@ _MAX_AUTO_TOKENS = 1 << 20
 
 
 def vlm_architectures() -> dict[str, type[torch.nn.Module]]:
-    from genserve.srt.models.qwen2_vl import VLM_ARCHITECTURES
+    from genserve.srt.models import llava, qwen2_vl
 
-    return VLM_ARCHITECTURES
+    return {**qwen2_vl.VLM_ARCHITECTURES, **llava.VLM_ARCHITECTURES}
 
 
 def cpu_has_native_bf16() -> bool:

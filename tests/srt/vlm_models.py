@@ -26,18 +26,19 @@ WORDS = (
 ).split()
 VOCAB_SIZE = 300
 
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% else %}<|vision_start|><|image_pad|><|vision_end|>{% endif %}"
+    "{% else %}IMAGE{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
-def build_tokenizer(folder: Path):
+def build_tokenizer(folder: Path, image: str = QWEN_IMAGE):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -56,7 +57,7 @@ def build_tokenizer(folder: Path):
         pad_token="<|endoftext|>",
         additional_special_tokens=SPECIALS[2:],
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = CHAT_TEMPLATE.replace("IMAGE", image)
     fast.save_pretrained(folder)
     return fast
 
@@ -145,6 +146,21 @@ def png_bytes(width: int, height: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
+def image_token(cfg) -> int:
+    return cfg.image_token_index if cfg.model_type == "llava" else cfg.image_token_id
+
+
+def image_token_counts(cfg, processed) -> list[int]:
+    """Tokens each image becomes, as HF's processors count them."""
+    if cfg.model_type == "llava":
+        v = cfg.vision_config
+        n = (v.image_size // v.patch_size) ** 2 + (v.model_type == "clip_vision_model")
+        n -= cfg.vision_feature_select_strategy == "default"
+        return [n] * len(processed["pixel_values"])
+    merge = cfg.vision_config.spatial_merge_size
+    return [int(g.prod() // merge**2) for g in processed["image_grid_thw"]]
+
+
 def hf_reference(
     folder: Path, ids: list[int], images: list[bytes], max_new_tokens: int = 32, model=None
 ) -> list[int]:
@@ -164,21 +180,20 @@ def hf_reference(
         proc = AutoImageProcessor.from_pretrained(folder)
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
         out = proc(images=pil, return_tensors="np")
-        grids = out["image_grid_thw"]
-        merge = cfg.vision_config.spatial_merge_size
+        counts = image_token_counts(cfg, out)
         expanded, k = [], 0
         for t in ids:
-            if t == cfg.image_token_id:
-                expanded += [t] * int(grids[k].prod() // merge**2)
+            if t == image_token(cfg):
+                expanded += [t] * counts[k]
                 k += 1
             else:
                 expanded.append(t)
-        kwargs = dict(
-            pixel_values=torch.from_numpy(out["pixel_values"]),
-            image_grid_thw=torch.from_numpy(grids),
-        )
+        kwargs = dict(pixel_values=torch.from_numpy(out["pixel_values"]))
+        if "image_grid_thw" in out:
+            kwargs["image_grid_thw"] = torch.from_numpy(out["image_grid_thw"])
     inp = torch.tensor([expanded])
-    kwargs["mm_token_type_ids"] = (inp == cfg.image_token_id).int()
+    if cfg.model_type != "llava":
+        kwargs["mm_token_type_ids"] = (inp == image_token(cfg)).int()
     with torch.no_grad():
         gen = model.generate(
             input_ids=inp,
@@ -190,3 +205,58 @@ def hf_reference(
             **kwargs,
         )
     return gen[0, len(expanded) :].tolist()
+
+
+def make_tiny_llava(folder: Path, tower: str = "clip", text: str = "llama", seed: int = 0) -> Path:
+    """A 2-layer LLaVA: CLIP or SigLIP tower (56 px, 14 px patches), projector, Llama or
+    Qwen2 decoder."""
+    import transformers as tf
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(folder, image="<image>")
+    text_cfg = dict(
+        model_type=text,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        initializer_range=0.2,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    vision_cfg = dict(
+        model_type="clip_vision_model" if tower == "clip" else "siglip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=56,
+        patch_size=14,
+    )
+    cfg = tf.LlavaConfig(
+        text_config=text_cfg,
+        vision_config=vision_cfg,
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default" if tower == "clip" else "full",
+        vision_feature_layer=-2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = tf.LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "language_model" in name and name.endswith("proj.bias"):
+                p.normal_(std=0.2)
+            if "multi_modal_projector" in name:
+                p.normal_(std=0.3)
+    model.save_pretrained(folder, safe_serialization=True)
+    CLIPImageProcessorPil(
+        size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}
+    ).save_pretrained(folder)
+    return folder

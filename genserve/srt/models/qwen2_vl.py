@@ -50,16 +50,11 @@ class MRotaryEmbedding(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-class Qwen2VLLanguageModel(LlamaForCausalLM):
-    """The Qwen2 decoder of a Qwen2-VL checkpoint, with M-RoPE and image embeddings spliced
-    into the token embeddings of a prefill."""
+class ImageSplicingLM(LlamaForCausalLM):
+    """A Llama-family decoder whose prefill embeddings take the image embeddings at the image
+    placeholders (`fb.image_embeds`), and whose rotary reads `fb.mrope_positions` when set."""
 
-    def __init__(self, cfg: ModelConfig, mrope_section: list[int]) -> None:
-        super().__init__(cfg)
-        self.mrope_section = mrope_section
-        self.set_rotary(MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, mrope_section))
-
-    def set_rotary(self, rotary: MRotaryEmbedding) -> None:
+    def set_rotary(self, rotary: nn.Module) -> None:
         for layer in self.layers:
             layer.self_attn.rotary = rotary
 
@@ -76,6 +71,15 @@ class Qwen2VLLanguageModel(LlamaForCausalLM):
         residual = residual.index_select(0, fb.logits_indices)  # type: ignore[union-attr]
         hidden, _ = self.norm(hidden, residual)
         return self.lm_head(hidden).float()
+
+
+class Qwen2VLLanguageModel(ImageSplicingLM):
+    """The Qwen2 decoder of a Qwen2-VL checkpoint, with M-RoPE."""
+
+    def __init__(self, cfg: ModelConfig, mrope_section: list[int]) -> None:
+        super().__init__(cfg)
+        self.mrope_section = mrope_section
+        self.set_rotary(MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, mrope_section))
 
 
 def rebuild_hf_buffers(module: nn.Module, device: torch.device) -> None:

@@ -59,9 +59,12 @@ class VisionSpec:
         token = config.get("image_token_index", config.get("image_token_id"))
         if token is None:
             raise ValueError("config.json of a LLaVA model needs image_token_index")
+        # Features of every patch, plus CLIP's CLS token, minus one under "default" (which
+        # drops the first feature: CLS for CLIP).
         patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
+        has_cls = str(vision.get("model_type", "clip_vision_model")).startswith("clip")
         strategy = config.get("vision_feature_select_strategy", "default")
-        return cls(family, int(token), 1, patches + (strategy == "full"))
+        return cls(family, int(token), 1, patches + has_cls - (strategy == "default"))
 
 
 class VisionInputProcessor:
