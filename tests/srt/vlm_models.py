@@ -63,7 +63,12 @@ def build_tokenizer(folder: Path, image: str = QWEN_IMAGE):
 
 
 def make_tiny_qwen2_vl(
-    folder: Path, arch: str = "qwen2_vl", seed: int = 0, vision: dict | None = None, layers: int = 2
+    folder: Path,
+    arch: str = "qwen2_vl",
+    seed: int = 0,
+    vision: dict | None = None,
+    text_overrides: dict | None = None,
+    max_pixels: int = 28 * 28 * 64,
 ) -> Path:
     """A 2-layer Qwen2-VL (or Qwen2.5-VL) with a 2-block vision tower, saved to `folder`."""
     import transformers as tf
@@ -75,7 +80,7 @@ def make_tiny_qwen2_vl(
         vocab_size=VOCAB_SIZE,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=layers,
+        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=4096,
@@ -86,6 +91,7 @@ def make_tiny_qwen2_vl(
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
     )
+    text.update(text_overrides or {})
     vis = dict(
         depth=2,
         hidden_size=64,
@@ -122,16 +128,16 @@ def make_tiny_qwen2_vl(
             if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
                 p.normal_(std=0.2)
     model.save_pretrained(folder, safe_serialization=True)
-    image_processor(folder)
+    image_processor(folder, max_pixels)
     return folder
 
 
-def image_processor(folder: Path):
+def image_processor(folder: Path, max_pixels: int = 28 * 28 * 64):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-    proc = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 64)
+    proc = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=max_pixels)
     proc.save_pretrained(folder)
     return proc
 
