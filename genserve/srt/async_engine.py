@@ -157,6 +157,8 @@ class AsyncEngine(LLMEngineClient):
         mm_inputs = req.mm_inputs
         if mm_inputs is not None and self.vision is None:
             raise ValueError(f"model {self.model_name!r} does not take image inputs")
+        if mm_inputs is None and self.vision is not None:
+            self.vision.check_text_only(ids)
         total = len(ids) + params.max_new_tokens
         if total > self.context_length:
             raise ValueError(

@@ -86,6 +86,8 @@ class Engine:
     def _images(self, prompts: list[list[int]], image_data: Any, single: bool) -> list[Any]:
         """Expands each prompt's image placeholders in place; its MultimodalInputs (or None)."""
         if image_data is None:
+            for ids in prompts if self.vision is not None else ():
+                self.vision.check_text_only(ids)
             return [None] * len(prompts)
         if self.vision is None:
             raise ValueError("this model does not take image inputs")
@@ -97,6 +99,7 @@ class Engine:
         out: list[Any] = []
         for i, images in enumerate(per_prompt):
             if images is None:
+                self.vision.check_text_only(prompts[i])
                 out.append(None)
                 continue
             items = images if isinstance(images, list) else [images]

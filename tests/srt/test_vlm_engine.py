@@ -115,16 +115,20 @@ def test_abort_and_retraction_free_kv_and_image_references(vlm):
     )
     sched = engine.scheduler
     params = SamplingParams.from_dict({"max_new_tokens": 40, "temperature": 0, "ignore_eos": True})
-    rids = []
+    rids, prompts = [], {}
     for i in range(6):
         ids = chat_ids(engine, [None, f"what is in the image {'?' * i}"])
         ids, mm = engine.vision.process(ids, [png_bytes(84 + 28 * (i % 2), 84, i)])
         req = make_tokenized_req(ids, params, mm_inputs=mm)
         assert sched.add_request(req) is None
         rids.append(req.rid)
+        prompts[req.rid] = (chat_ids(engine, [None, f"what is in the image {'?' * i}"]),
+                            png_bytes(84 + 28 * (i % 2), 84, i))
     steps = 0
+    got: dict[str, list[int]] = {}
     while sched.has_work():
-        sched.step()
+        for out in sched.step():
+            got.setdefault(out.rid, []).extend(out.new_ids)
         steps += 1
         if steps == 3:
             sched.abort(rids[0])  # mid chunked prefill
@@ -133,6 +137,14 @@ def test_abort_and_retraction_free_kv_and_image_references(vlm):
     assert sched.stats["retractions"] > 0
     engine.check_integrity()
     assert sched.mm.cache.total_refs() == 0
+    # Retracted requests resume with the right M-RoPE positions: same tokens as run alone.
+    solo = Engine(str(vlm), dtype="float32", max_total_tokens=4096)
+    for rid in (r for r in rids if r not in (rids[0], rids[3])):
+        ids, image = prompts[rid]
+        ref = solo.generate(input_ids=ids, image_data=[image],
+                            sampling_params={"max_new_tokens": 40, "temperature": 0,
+                                             "ignore_eos": True})
+        assert got[rid] == ref["output_ids"]
 
 
 def test_bad_image_inputs_raise_clear_errors(vlm, tiny_model_factory):
@@ -148,6 +160,8 @@ def test_bad_image_inputs_raise_clear_errors(vlm, tiny_model_factory):
         )
     with pytest.raises(ValueError, match="cannot be decoded"):
         engine.generate(input_ids=ids, image_data=[b"not an image"], sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="1 image placeholders but no images"):
+        engine.generate(input_ids=ids, sampling_params=GREEDY)
     with pytest.raises(ValueError, match="cannot be decoded"):
         engine.generate(
             input_ids=ids, image_data=[IMG_D[: len(IMG_D) // 2]], sampling_params=GREEDY

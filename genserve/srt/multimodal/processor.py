@@ -139,6 +139,14 @@ class VisionInputProcessor:
             )
         return ids, mm
 
+    def check_text_only(self, input_ids: list[int]) -> None:
+        """A prompt sent without images must not contain image placeholders."""
+        runs = _placeholder_runs(input_ids, self.spec.image_token_id)
+        if runs:
+            raise ImageInputError(
+                f"the prompt has {len(runs)} image placeholders but no images were given"
+            )
+
     def _preprocess(self, data: bytes) -> tuple[np.ndarray, tuple[int, int, int] | None]:
         image = open_image(data, self.max_pixels)
         out = self.image_processor(images=[image], return_tensors="np")
