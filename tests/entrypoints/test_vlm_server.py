@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.srt.vlm_models import hf_reference, make_tiny_qwen2_vl, png_bytes
+from tests.srt.vlm_models import hf_reference, make_tiny_llava, make_tiny_qwen2_vl, png_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -39,14 +41,14 @@ def vlm_folder(tmp_path_factory):
     return make_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))
 
 
-@pytest.fixture(scope="module")
-def server(vlm_folder):
+@contextlib.contextmanager
+def serve(folder, *flags: str) -> Iterator[str]:
+    """`genserve serve --model-path folder` in a subprocess; yields its URL."""
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-diffusion",
-         "--model-path", str(vlm_folder), "--port", str(port), "--dtype", "float32",
-         "--max-total-tokens", "4096", "--max-images-per-request", "3",
-         "--max-image-bytes", "60000", "--allowed-image-domains", "localhost"],
+         "--model-path", str(folder), "--port", str(port), "--dtype", "float32",
+         "--max-total-tokens", "4096", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
@@ -57,10 +59,19 @@ def server(vlm_folder):
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-    yield url
-    proc.terminate()
-    proc.wait(60)
+    try:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def server(vlm_folder):
+    with serve(vlm_folder, "--max-images-per-request", "3", "--max-image-bytes", "60000",
+               "--allowed-image-domains", "localhost") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +183,33 @@ def test_bad_image_inputs_are_400_and_the_server_keeps_serving(server):
     assert ok.status_code == 200
     info = httpx.get(server + "/get_server_info").json()
     assert info.get("integrity_error") is None
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava-clip"])
+def test_other_architectures_over_http_equal_hf(arch, tmp_path):
+    import openai
+    import transformers as tf
+
+    if arch == "llava-clip":
+        folder = make_tiny_llava(tmp_path / arch)
+    else:
+        folder = make_tiny_qwen2_vl(tmp_path / arch, arch)
+    tok = tf.AutoTokenizer.from_pretrained(folder)
+    content = ["compare", IMG_B, "and", IMG_C, "?"]
+    parts = [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p}
+             for p in content]
+    text = tok.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
+                                   add_generation_prompt=True)
+    ref = hf_reference(folder, tok.encode(text), [IMG_B, IMG_C], 32)
+    with serve(folder) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        model = client.models.list().data[0].id
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": openai_content(content)}],
+            max_tokens=32, temperature=0, extra_body={"ignore_eos": True})
+        assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
+        native = httpx.post(url + "/generate", timeout=120, json={
+            "text": text, "image_data": [data_url(IMG_B), data_url(IMG_C)],
+            "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}})
+        assert native.status_code == 200, native.text
+        assert native.json()["output_ids"] == ref
