@@ -30,6 +30,7 @@ class ImageEmbeddingCache:
         return key in self._entries
 
     def get(self, key: str) -> torch.Tensor | None:
+        """The entry (refreshing its LRU place), counted as a hit or a miss."""
         emb = self._entries.get(key)
         if emb is None:
             self.misses += 1
@@ -37,6 +38,10 @@ class ImageEmbeddingCache:
         self.hits += 1
         self._entries.move_to_end(key)
         return emb
+
+    def peek(self, key: str) -> torch.Tensor | None:
+        """The entry, without touching statistics or LRU order."""
+        return self._entries.get(key)
 
     def put(self, key: str, emb: torch.Tensor) -> None:
         if key in self._entries:

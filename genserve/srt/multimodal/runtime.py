@@ -44,7 +44,7 @@ class MultimodalRuntime:
         missing: dict[str, Any] = {}
         for _, item, _, _, req in needed:
             key = item.content_hash
-            if key in self.cache:
+            if key not in missing and self.cache.get(key) is not None:
                 self._hold(req, key)
             else:
                 missing.setdefault(key, item)
@@ -59,7 +59,7 @@ class MultimodalRuntime:
                     self._hold(req, item.content_hash)
         image_embeds = []
         for start, item, a, b, _ in needed:
-            emb = self.cache.get(item.content_hash)
+            emb = self.cache.peek(item.content_hash)
             assert emb is not None  # held above
             image_embeds.append((start, emb[a:b]))
         extra: dict[str, Any] = {"image_embeds": image_embeds}
