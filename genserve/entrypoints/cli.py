@@ -42,6 +42,10 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
                         "tool_choice required). Default xgrammar.")
     g.add_argument("--disable-jump-forward", action="store_true",
                    help="Decode grammar-forced text token by token instead of appending it.")
+    g.add_argument("--max-images-per-request", type=int, default=None,
+                   help="Vision models: images one request may carry (default 16).")
+    g.add_argument("--image-cache-bytes", type=int, default=None,
+                   help="Vision models: byte budget of the image-embedding cache.")
 
 
 def _add_diffusion_args(p: argparse.ArgumentParser) -> None:
@@ -66,6 +70,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="Allow this browser origin (repeatable; CORS is off by default).")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
+    p.add_argument("--allowed-image-domains", action="append", default=None, metavar="HOSTS",
+                   help="Vision models: fetch http(s) image URLs from these hosts (comma "
+                        "separated, repeatable; '*' = any public host). Default: image URLs "
+                        "are refused; base64 data URLs always work.")
+    p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024,
+                   help="Largest image file a vision request may send or fetch.")
     p.add_argument("--max-realtime-sessions", type=int, default=4,
                    help="Concurrent realtime video WebSocket sessions.")
     p.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3", "mistral"),

@@ -20,6 +20,10 @@ class GatewayConfig:
     served_model_names: tuple[str, ...] = ()
     # Concurrent realtime video WebSocket sessions (read by the realtime router).
     max_realtime_sessions: int = 4
+    # Hosts whose http(s) image URLs vision requests may name ("*" = any public host); empty =
+    # image URLs are refused (data URLs and base64 always work). See srt/multimodal.
+    allowed_image_domains: tuple[str, ...] = ()
+    max_image_bytes: int = 20 * 1024 * 1024
     host: str = "127.0.0.1"
     port: int = 30000
     # Output format of tool calls (`--tool-call-parser`); None = detected from the template.
@@ -50,5 +54,9 @@ class GatewayConfig:
         if self.max_realtime_sessions < 1:
             raise ValueError(
                 f"max_realtime_sessions must be >= 1, got {self.max_realtime_sessions}")
+        if not isinstance(self.allowed_image_domains, tuple):
+            raise ValueError("allowed_image_domains must be a tuple of host names")
+        if self.max_image_bytes < 1024:
+            raise ValueError(f"max_image_bytes must be >= 1024, got {self.max_image_bytes}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")

@@ -144,6 +144,11 @@ class GatewayMetrics:
         self.grammar_cache_hits = Gauge(
             "genserve_grammar_cache_hits", "Constrained requests that reused a compiled grammar.",
             m)
+        self.images_encoded = Gauge(
+            "genserve_vision_images_encoded",
+            "Images the vision encoder has run on (a repeated image is not encoded again).", m)
+        self.images_cached = Gauge(
+            "genserve_vision_cached_images", "Image embeddings held by the image cache.", m)
         self.in_flight = Gauge("genserve_gateway_in_flight_reqs",
                                "Requests the gateway holds (admitted, not finished).", m)
 
@@ -161,6 +166,10 @@ class GatewayMetrics:
         if isinstance(grammar, dict):
             self.grammar_compiles.set(float(grammar.get("compiles", 0)), model)
             self.grammar_cache_hits.set(float(grammar.get("cache_hits", 0)), model)
+        vision = info.get("multimodal")
+        if isinstance(vision, dict):
+            self.images_encoded.set(float(vision.get("images_encoded", 0)), model)
+            self.images_cached.set(float(vision.get("cached_images", 0)), model)
 
     def render(self) -> str:
         lines: list[str] = []

@@ -44,7 +44,7 @@ def engine_args_from(args: argparse.Namespace, model_path: str | None) -> Any:
         "jump_forward": not getattr(args, "disable_jump_forward", False),
     }
     for name in ("dtype", "mem_fraction", "chunked_prefill_size", "page_size", "num_threads",
-                 "grammar_backend"):
+                 "grammar_backend", "max_images_per_request", "image_cache_bytes"):
         value = getattr(args, name, None)
         if value is not None:  # else the runtime's default
             kwargs[name] = value
@@ -62,7 +62,11 @@ def gateway_config_from(args: argparse.Namespace) -> GatewayConfig:
         served_model_names=tuple(args.served_model_name or ()),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=getattr(args, "reasoning_parser", None),
-        max_realtime_sessions=args.max_realtime_sessions, host=args.host, port=args.port)
+        max_realtime_sessions=args.max_realtime_sessions, host=args.host, port=args.port,
+        allowed_image_domains=tuple(
+            d.strip() for arg in args.allowed_image_domains or () for d in arg.split(",")
+            if d.strip()),
+        max_image_bytes=args.max_image_bytes)
 
 
 def _wanted(args: argparse.Namespace) -> tuple[bool, bool]:

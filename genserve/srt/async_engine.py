@@ -20,6 +20,7 @@ from genserve.srt.messages import (
     ControlResp,
     GenerateOutput,
     GenerateRequest,
+    MultimodalInputs,
     ReqOutput,
 )
 from genserve.srt.sampling.sampling_params import SamplingParams
@@ -46,6 +47,10 @@ class AsyncEngine(LLMEngineClient):
         self.args = replace(args, model_path=str(folder))
         self.model_name = name
         self.tokenizer = load_tokenizer(folder)
+        from genserve.srt.multimodal.processor import VisionInputProcessor
+
+        self.vision = VisionInputProcessor.from_folder(folder, args.max_images_per_request)
+        self.modalities = ("text", "image") if self.vision is not None else ("text",)
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         from genserve.srt.scheduler.process import run_scheduler_process
@@ -62,6 +67,7 @@ class AsyncEngine(LLMEngineClient):
         self._info: dict[str, Any] = ready.payload
         self._info["model_path"] = args.model_path or name
         self._info["model_name"] = name
+        self._info["modalities"] = list(self.modalities)
         self.context_length = int(ready.payload["context_length"])
         self._dead: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -148,6 +154,11 @@ class AsyncEngine(LLMEngineClient):
             ids = await asyncio.get_running_loop().run_in_executor(None, self.tokenize, req.text)
         else:
             raise ValueError("a request needs text or input_ids")
+        mm_inputs = req.mm_inputs
+        if mm_inputs is not None and self.vision is None:
+            raise ValueError(f"model {self.model_name!r} does not take image inputs")
+        if mm_inputs is None and self.vision is not None:
+            self.vision.check_text_only(ids)
         total = len(ids) + params.max_new_tokens
         if total > self.context_length:
             raise ValueError(
@@ -162,8 +173,9 @@ class AsyncEngine(LLMEngineClient):
             req.return_logprob,
             req.top_logprobs_num,
             req.cache_salt,
-            req.logprob_start_len,
-            req.token_ids_logprob,
+            logprob_start_len=req.logprob_start_len,
+            token_ids_logprob=req.token_ids_logprob,
+            mm_inputs=mm_inputs,
         )
         if tok_req.rid in self._states:
             raise ValueError(f"request id {tok_req.rid!r} is already running")
@@ -187,6 +199,15 @@ class AsyncEngine(LLMEngineClient):
             self._states.pop(tok_req.rid, None)
             if not finished and not self._dead:
                 self._outbox.put(AbortReq(tok_req.rid))
+
+    async def process_images(
+        self, input_ids: list[int], images: list[bytes]
+    ) -> tuple[list[int], MultimodalInputs]:
+        if self.vision is None:
+            return await super().process_images(input_ids, images)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self.vision.process, list(input_ids), list(images)
+        )
 
     async def abort(self, rid: str) -> bool:
         if rid not in self._states:

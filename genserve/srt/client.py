@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
 
-from genserve.srt.messages import GenerateOutput, GenerateRequest
+from genserve.srt.messages import GenerateOutput, GenerateRequest, MultimodalInputs
 
 
 class LLMEngineClient(ABC):
@@ -15,6 +15,8 @@ class LLMEngineClient(ABC):
 
     model_name: str  # id shown in /v1/models
     context_length: int  # max prompt + output tokens
+    # Input kinds it takes; vision-language models add "image" (GenerateRequest.images).
+    modalities: tuple[str, ...] = ("text",)
 
     @abstractmethod
     def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
@@ -22,6 +24,13 @@ class LLMEngineClient(ABC):
         `req.stream`, else only the final one); the last has `finished=True`. Raises ValueError
         for invalid input (bad sampling params, prompt too long) before yielding anything.
         Closing the iterator early (client gone) aborts the request and frees its KV."""
+
+    async def process_images(self, input_ids: list[int], images: list[bytes]
+                             ) -> tuple[list[int], MultimodalInputs]:
+        """Preprocess encoded image files for a prompt with one placeholder per image:
+        returns the ids with each placeholder expanded to the image's token count, and the
+        `mm_inputs` to put in the GenerateRequest. ValueError names a bad image or count."""
+        raise ValueError(f"model {self.model_name!r} does not take image inputs")
 
     @abstractmethod
     async def abort(self, rid: str) -> bool:

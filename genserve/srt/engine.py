@@ -38,6 +38,11 @@ class Engine:
         self.runtime = build_runtime(self.args)
         self.scheduler = self.runtime.scheduler
         self.tokenizer = self.runtime.tokenizer
+        from genserve.srt.multimodal.processor import VisionInputProcessor
+
+        self.vision = VisionInputProcessor.from_folder(
+            self.runtime.folder, self.args.max_images_per_request
+        )
 
     def generate(
         self,
@@ -49,12 +54,16 @@ class Engine:
         cache_salt: str | None = None,
         logprob_start_len: int = -1,
         token_ids_logprob: list[int] | None = None,
+        image_data: Any = None,
     ) -> dict | list[dict]:
         """Returns one result dict ({text, output_ids, meta_info}) for a single prompt with
         n == 1, else a list (prompt-major, n results per prompt). Raises ValueError on bad
         input. With return_logprob and logprob_start_len >= 0, meta_info also scores the prompt
-        tokens from that position on (`input_token_logprobs`, SGLang's shape)."""
+        tokens from that position on (`input_token_logprobs`, SGLang's shape). image_data
+        (vision models): per prompt an image or a list of images, each encoded bytes, a data
+        URL or base64; one per image placeholder of the prompt."""
         prompts, single = self._normalize(prompt, input_ids)
+        mm_list = self._images(prompts, image_data, single)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
                 raise ValueError(
@@ -64,7 +73,7 @@ class Engine:
         else:
             param_list = [sampling_params] * len(prompts)
         reqs: list[TokenizedGenerateReq] = []
-        for ids, sp in zip(prompts, param_list):
+        for ids, sp, mm in zip(prompts, param_list, mm_list):
             params = SamplingParams.from_dict(sp)
             if params.n > 1:
                 single = False
@@ -72,12 +81,43 @@ class Engine:
                 reqs.append(
                     make_tokenized_req(
                         ids, p, None, False, return_logprob, top_logprobs_num, cache_salt,
-                        logprob_start_len, token_ids_logprob,
+                        logprob_start_len=logprob_start_len,
+                        token_ids_logprob=token_ids_logprob, mm_inputs=mm,
                     )
                 )
         outputs = self._run(reqs)
         results = [o.to_dict() for o in outputs]
         return results[0] if single else results
+
+    def _images(self, prompts: list[list[int]], image_data: Any, single: bool) -> list[Any]:
+        """Expands each prompt's image placeholders in place; its MultimodalInputs (or None)."""
+        if image_data is None:
+            for ids in prompts if self.vision is not None else ():
+                self.vision.check_text_only(ids)
+            return [None] * len(prompts)
+        if self.vision is None:
+            raise ValueError("this model does not take image inputs")
+        from genserve.srt.multimodal.image_source import decode_inline
+
+        per_prompt = [image_data] if single else list(image_data)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got image_data for {len(per_prompt)} of {len(prompts)} prompts")
+        out: list[Any] = []
+        for i, images in enumerate(per_prompt):
+            if images is None:
+                self.vision.check_text_only(prompts[i])
+                out.append(None)
+                continue
+            items = images if isinstance(images, list) else [images]
+            blobs = []
+            for item in items:
+                data = item if isinstance(item, bytes) else decode_inline(item)
+                if data is None:
+                    raise ValueError("the offline Engine takes image bytes, data URLs or base64")
+                blobs.append(data)
+            prompts[i], mm = self.vision.process(prompts[i], blobs)
+            out.append(mm)
+        return out
 
     def _normalize(
         self, prompt: str | list[str] | None, input_ids: Any

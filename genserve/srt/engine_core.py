@@ -47,6 +47,7 @@ class Runtime:
             "has_tokenizer": self.tokenizer is not None,
             "grammar_backend": "xgrammar" if self.scheduler.grammar is not None else None,
             "chat_roles": chat_role_markers(self.tokenizer),
+            "modalities": ["text", "image"] if cfg.multimodal else ["text"],
         }
 
 

@@ -46,6 +46,10 @@ class ForwardBatch:
     # Rows of the final hidden states whose logits are needed: the last new token of each
     # request. [batch] int64.
     logits_indices: torch.Tensor = field(default=None)  # type: ignore[assignment]
+    # Vision-language models: (first batch row, [rows, hidden] embeddings) to write over the
+    # token embeddings of image placeholders, and M-RoPE positions [3, num_tokens] int64.
+    image_embeds: list[tuple[int, torch.Tensor]] | None = None
+    mrope_positions: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

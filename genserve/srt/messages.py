@@ -32,6 +32,9 @@ class GenerateRequest:
     # Token ids whose logprobs are reported at every input (from logprob_start_len) and output
     # position, whatever was sampled (SGLang's `token_ids_logprob`).
     token_ids_logprob: list[int] | None = None
+    # Vision models: the images of `input_ids` (from `LLMEngineClient.process_images`, which
+    # also expanded their placeholders).
+    mm_inputs: MultimodalInputs | None = None
 
 
 @dataclass
@@ -101,6 +104,30 @@ class GenerateOutput:
 
 
 @dataclass
+class ImageItem:
+    """One image of a request, preprocessed by the model's HF image processor.
+
+    Its `num_tokens` placeholder tokens are input_ids[offset : offset + num_tokens].
+    `content_hash` (hex) identifies the processed pixels: equal hashes mean equal embeddings.
+    """
+
+    content_hash: str
+    pixel_values: Any  # numpy array, layout as the processor makes it
+    grid_thw: tuple[int, int, int] | None  # Qwen2-VL patch grid (t, h, w); None for LLaVA
+    offset: int
+    num_tokens: int
+
+
+@dataclass
+class MultimodalInputs:
+    images: list[ImageItem]
+    # M-RoPE models (Qwen2-VL): [3, len(input_ids)] int64 positions of the prompt, and the
+    # shift of every later position (output token i sits at len(input_ids) + i + delta).
+    mrope_positions: Any = None
+    mrope_delta: int = 0
+
+
+@dataclass
 class TokenizedGenerateReq:
     """A validated, tokenized request (n == 1). `sampling_params` is a validated
     `genserve.srt.sampling.SamplingParams` (a plain frozen dataclass; pickles cheaply)."""
@@ -115,6 +142,7 @@ class TokenizedGenerateReq:
     arrival_time: float = 0.0
     logprob_start_len: int = -1  # see GenerateRequest
     token_ids_logprob: tuple[int, ...] | None = None
+    mm_inputs: MultimodalInputs | None = None
 
 
 @dataclass

@@ -12,6 +12,10 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # Vision-language models: the decoder's facts come from the config's `text_config`.
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "LlavaForConditionalGeneration": "llava",
 }
 
 
@@ -36,6 +40,8 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # The whole config.json of a vision-language model (its tower's facts); None for text.
+    multimodal: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -57,6 +63,9 @@ class ModelConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')}; genserve serves "
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
+        raw = cfg
+        if "text_config" in cfg:
+            cfg = {**cfg, **cfg["text_config"]}
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -66,6 +75,8 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         model_type = SUPPORTED_ARCHITECTURES[arch]
+        if model_type == "llava":
+            model_type = cfg.get("model_type") or "llama"
         return cls(
             architecture=arch,
             model_type=model_type,
@@ -81,7 +92,9 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            attention_bias=bool(
+                cfg.get("attention_bias", model_type in ("qwen2", "qwen2_vl", "qwen2_5_vl"))
+            ),
             qk_norm=model_type == "qwen3",
             sliding_window=(
                 cfg.get("sliding_window")
@@ -90,6 +103,7 @@ class ModelConfig:
             ),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            multimodal=raw if "vision_config" in raw else None,
         )
 
     @classmethod

@@ -23,6 +23,12 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 _MAX_AUTO_TOKENS = 1 << 20
 
 
+def vlm_architectures() -> dict[str, type[torch.nn.Module]]:
+    from genserve.srt.models import llava, qwen2_vl
+
+    return {**qwen2_vl.VLM_ARCHITECTURES, **llava.VLM_ARCHITECTURES}
+
+
 def cpu_has_native_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
@@ -75,14 +81,17 @@ class ModelRunner:
         self.context_length = context_length
         torch.manual_seed(args.random_seed)
 
-        model_cls = ARCHITECTURES[config.architecture]
+        model_cls = {**ARCHITECTURES, **vlm_architectures()}[config.architecture]
         with torch.device("meta"):
             model = model_cls(config)
         model = model.to_empty(device=self.device)
         model.tie_weights()  # to_empty gives each module its own copy of a shared parameter
         model.load_weights(load_state_dict(folder))
         # Buffers (the rotary cos/sin table) were created on meta: rebuild them for real.
-        self._rebuild_rotary(model)
+        if hasattr(model, "rebuild_buffers"):
+            model.rebuild_buffers(self.device)
+        else:
+            self._rebuild_rotary(model)
         self.model = model.to(self.dtype).eval()
         self.model.tie_weights()
 
@@ -140,8 +149,11 @@ class ModelRunner:
         prefix_lens: list[int],
         extend_lens: list[int],
         out_cache_loc: torch.Tensor,
+        image_embeds: list[tuple[int, torch.Tensor]] | None = None,
+        mrope_positions: torch.Tensor | None = None,
     ) -> ForwardBatch:
-        """input_ids: the new tokens of every request, concatenated request after request."""
+        """input_ids: the new tokens of every request, concatenated request after request.
+        image_embeds / mrope_positions: see `ForwardBatch` (vision-language models only)."""
         dev = self.device
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         starts, acc = [], 0
@@ -170,6 +182,8 @@ class ModelRunner:
             token_to_kv_pool=self.token_to_kv_pool,
             attn_backend=self.attn_backend,
             logits_indices=start_loc + ext - 1,
+            image_embeds=image_embeds,
+            mrope_positions=mrope_positions,
         )
 
     @torch.inference_mode()

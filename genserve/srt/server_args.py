@@ -34,6 +34,9 @@ class EngineArgs:
     grammar_compile_timeout_s: float = 30.0  # a grammar still compiling after this is a 400
     # Append the text a grammar forces without decode steps (one extend computes its KV).
     jump_forward: bool = True
+    # Vision-language models: byte budget of the image-embedding LRU, images per request.
+    image_cache_bytes: int = 512 * 1024 * 1024
+    max_images_per_request: int = 16
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -68,6 +71,12 @@ class EngineArgs:
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(
                 f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}"
+            )
+        if self.image_cache_bytes < 0:
+            raise ValueError(f"image_cache_bytes must be >= 0, got {self.image_cache_bytes}")
+        if self.max_images_per_request < 1:
+            raise ValueError(
+                f"max_images_per_request must be >= 1, got {self.max_images_per_request}"
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")

@@ -8,7 +8,13 @@ import time
 import uuid
 from typing import Any
 
-from genserve.srt.messages import GenerateOutput, InputLogprobs, ReqOutput, TokenizedGenerateReq
+from genserve.srt.messages import (
+    GenerateOutput,
+    InputLogprobs,
+    MultimodalInputs,
+    ReqOutput,
+    TokenizedGenerateReq,
+)
 from genserve.srt.sampling.sampling_params import SamplingParams
 
 # Each listed id adds one gathered logprob per scored position.
@@ -54,6 +60,7 @@ def make_tokenized_req(
     cache_salt: str | None = None,
     logprob_start_len: int = -1,
     token_ids_logprob: list[int] | None = None,
+    mm_inputs: MultimodalInputs | None = None,
 ) -> TokenizedGenerateReq:
     if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
         raise ValueError(f"top_logprobs_num must be an integer in [0, 20], got {top_logprobs_num}")
@@ -91,6 +98,7 @@ def make_tokenized_req(
         arrival_time=time.monotonic(),
         logprob_start_len=logprob_start_len,
         token_ids_logprob=ids_logprob,
+        mm_inputs=mm_inputs,
     )
 
 

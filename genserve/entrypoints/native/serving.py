@@ -23,6 +23,7 @@ from genserve.entrypoints.generation import (
     supports_grammar,
     tokenize,
 )
+from genserve.entrypoints.image_inputs import load_images, process_images, require_images
 from genserve.entrypoints.native.protocol import (
     DetokenizeReq,
     GenerateReqInput,
@@ -61,11 +62,23 @@ async def _prompts(client: LLMEngineClient, body: GenerateReqInput) -> tuple[lis
     return [list(ids)], False  # type: ignore[arg-type]
 
 
-async def build_requests(client: LLMEngineClient, body: GenerateReqInput
+def _image_sources(image_data: Any, count: int, is_batch: bool) -> list[list[Any]]:
+    """SGLang's image_data: per prompt a source or a list of sources (a single prompt's list
+    is its images; a batch's list has one entry per prompt)."""
+    if image_data is None:
+        return [[] for _ in range(count)]
+    if not is_batch:
+        return [image_data if isinstance(image_data, list) else [image_data]]
+    if not isinstance(image_data, list) or len(image_data) != count:
+        raise bad_request(f"image_data needs one entry per prompt ({count}) in a batch.",
+                          param="image_data")
+    return [[] if d is None else d if isinstance(d, list) else [d] for d in image_data]
+
+
+async def build_requests(state: GatewayState, client: LLMEngineClient, body: GenerateReqInput
                          ) -> tuple[list[GenerateRequest], bool]:
     if body.image_data is not None:
-        raise bad_request(f"Model {client.model_name!r} does not take image inputs.",
-                          param="image_data")
+        require_images(client, "image_data")
     if body.lora_path is not None:
         raise bad_request("LoRA adapters are not supported.", param="lora_path")
     if body.return_hidden_states:
@@ -83,13 +96,18 @@ async def build_requests(client: LLMEngineClient, body: GenerateReqInput
         ids_lps = _per_prompt(ids_lp, count, "token_ids_logprob")
     else:
         ids_lps = [ids_lp] * count
+    sources = _image_sources(body.image_data, count, is_batch)
     reqs: list[GenerateRequest] = []
-    for ids, sp, rid, salt, start, id_lp in zip(
-        prompts, params, rids, salts, starts, ids_lps, strict=True
+    for ids, sp, rid, salt, start, id_lp, srcs in zip(
+        prompts, params, rids, salts, starts, ids_lps, sources, strict=True
     ):
         if sp.stop_regex:  # SGLang's frontend sends [] when unset
             raise bad_request("stop_regex is not supported; use stop strings or a regex "
                               "constraint.", param="sampling_params.stop_regex")
+        mm_inputs = None
+        images = await load_images(state, client, srcs, "image_data")
+        if images:
+            ids, mm_inputs = await process_images(client, ids, images, "image_data")
         if start >= 0 and not body.return_logprob:
             raise bad_request("logprob_start_len needs return_logprob: true.",
                               param="logprob_start_len")
@@ -112,7 +130,7 @@ async def build_requests(client: LLMEngineClient, body: GenerateReqInput
                 rid=base_rid if n == 1 else f"{base_rid}-{i}", input_ids=ids,
                 sampling_params=p, stream=STREAM_FROM_ENGINE, return_logprob=body.return_logprob,
                 top_logprobs_num=body.top_logprobs_num, cache_salt=salt,
-                logprob_start_len=start, token_ids_logprob=id_lp))
+                logprob_start_len=start, token_ids_logprob=id_lp, mm_inputs=mm_inputs))
         is_batch = is_batch or n > 1  # SGLang answers n > 1 with a list
     return reqs, is_batch
 
@@ -137,7 +155,7 @@ def _render(client: LLMEngineClient, out: GenerateOutput, with_text: bool) -> di
 
 async def generate(state: GatewayState, body: GenerateReqInput, request: Request) -> Response:
     client = state.resolve_llm(body.model)
-    reqs, is_batch = await build_requests(client, body)
+    reqs, is_batch = await build_requests(state, client, body)
     group = GenerationGroup(state, client, reqs, request)
     await group.__aenter__()
     try:

@@ -17,6 +17,7 @@ from genserve.entrypoints.generation import (
     supports_grammar,
     tokenize,
 )
+from genserve.entrypoints.image_inputs import load_images, process_images, require_images
 from genserve.entrypoints.openai_api import common, tools
 from genserve.entrypoints.openai_api.protocol import ChatCompletionRequest, ChatMessage
 from genserve.entrypoints.openai_api.reasoning import ReasoningParser, ReasoningStreamer
@@ -27,18 +28,25 @@ from genserve.srt.messages import GenerateOutput
 
 
 def _template_messages(client: LLMEngineClient, messages: list[ChatMessage]
-                       ) -> list[dict[str, Any]]:
+                       ) -> tuple[list[dict[str, Any]], list[str]]:
+    """Messages for the chat template, and the image URLs of their image parts in order
+    (a vision model's template renders each {"type": "image"} part as its placeholder)."""
     rendered = []
+    images: list[str] = []
     for k, msg in enumerate(messages):
-        content = msg.content
-        if isinstance(content, list):
-            texts = []
+        content: Any = msg.content
+        if isinstance(content, list) and any(p.type == "image_url" for p in content):
+            require_images(client, f"messages.{k}.content")
+            parts: list[dict[str, Any]] = []
             for part in content:
                 if part.type == "image_url":
-                    raise bad_request(f"Model {client.model_name!r} does not take image inputs.",
-                                      param=f"messages.{k}.content")
-                texts.append(part.text)
-            content = "".join(texts)
+                    images.append(part.image_url.url)
+                    parts.append({"type": "image"})
+                else:
+                    parts.append({"type": "text", "text": part.text})
+            content = parts
+        elif isinstance(content, list):
+            content = "".join(part.text for part in content)  # type: ignore[union-attr]
         role = "system" if msg.role == "developer" else msg.role
         entry: dict[str, Any] = {"role": role, "content": content or ""}
         if msg.name:
@@ -48,7 +56,7 @@ def _template_messages(client: LLMEngineClient, messages: list[ChatMessage]
         if msg.tool_call_id:
             entry["tool_call_id"] = msg.tool_call_id
         rendered.append(entry)
-    return rendered
+    return rendered, images
 
 
 # Known request fields this server cannot honour: a value other than the default is a 400.
@@ -88,7 +96,8 @@ async def create_chat_completion(state: GatewayState, body: ChatCompletionReques
             raise bad_request("Give either response_format or a forced tool_choice, not both.",
                               param="response_format")
         extra = plan.grammar
-    messages = _template_messages(client, body.messages)
+    messages, image_urls = _template_messages(client, body.messages)
+    images = await load_images(state, client, image_urls, "messages")
     try:
         if plan is None:
             prompt = client.apply_chat_template(messages, body.add_generation_prompt)
@@ -101,6 +110,9 @@ async def create_chat_completion(state: GatewayState, body: ChatCompletionReques
     except ValueError as exc:
         raise bad_request(f"Cannot apply the chat template: {exc}", param="messages") from exc
     ids = await tokenize(client, prompt)
+    mm_inputs = None
+    if images:
+        ids, mm_inputs = await process_images(client, ids, images, "messages")
     max_new = body.max_completion_tokens or body.max_tokens
     name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     check_context(client, len(ids), max_new, name)
@@ -108,6 +120,8 @@ async def create_chat_completion(state: GatewayState, body: ChatCompletionReques
         max_new = default_max_new_tokens(client, len(ids))
     params = common.sampling_params(body, max_new, extra)
     reqs = common.fan_out(body, [ids], params, body.logprobs, body.top_logprobs or 0)
+    for req in reqs:
+        req.mm_inputs = mm_inputs
     response_id = common.completion_id("chatcmpl")
     name = state.config.reasoning_parser
     reasoning = ReasoningParser(name) if name else None

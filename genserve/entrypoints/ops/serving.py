@@ -30,6 +30,7 @@ def list_models(state: GatewayState) -> dict[str, Any]:
         data.append({
             "id": name, "object": "model", "created": created, "owned_by": "genserve",
             "kind": "llm", "root": client.model_name, "max_model_len": client.context_length,
+            "modalities": list(client.modalities),
         })
     if state.diffusion_client is not None:
         for entry in state.diffusion_client.list_models():

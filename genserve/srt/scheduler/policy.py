@@ -28,7 +28,7 @@ class FCFSPolicy(SchedulePolicy):
 def _match_all(waiting: list[Req], cache: BasePrefixCache) -> list[tuple[Req, int, Any]]:
     out = []
     for req in waiting:
-        m = cache.match_prefix(req.fill_ids[:-1], req.namespace)
+        m = cache.match_prefix(req.key_ids[:-1], req.namespace)
         out.append((req, int(m.indices.numel()), m.last_node))
     return out
 

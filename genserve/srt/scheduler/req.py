@@ -36,6 +36,17 @@ class Req:
         self._input_scores: InputLogprobs | None = None
         self._input_scores_ready: InputLogprobs | None = None
         self._pending_ids_lp: list[list[tuple[float, int]]] = []
+        # Images: their placeholder tokens carry a value derived from the image's content hash
+        # in the prefix-cache key, so equal images share KV and different ones never match.
+        self.mm_inputs = msg.mm_inputs
+        self.mm_refs: set[str] = set()  # image-embedding cache entries this request holds
+        self._origin_key_ids = self.origin_input_ids
+        if self.mm_inputs is not None:
+            self._origin_key_ids = list(self.origin_input_ids)
+            for item in self.mm_inputs.images:
+                tag = -1 - int(item.content_hash[:15], 16)  # negative: never a real token
+                end = item.offset + item.num_tokens
+                self._origin_key_ids[item.offset : end] = [tag] * item.num_tokens
 
         self.row: int | None = None
         self.kv_len = 0
@@ -82,6 +93,11 @@ class Req:
     @property
     def fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def key_ids(self) -> list[int]:
+        """Prefix-cache key of fill_ids (image placeholders replaced by image tags)."""
+        return self._origin_key_ids + self.output_ids
 
     @property
     def seq_len(self) -> int:

@@ -19,6 +19,7 @@ from genserve.srt.forward_batch import ForwardMode
 from genserve.srt.mem_cache import IntegrityError, create_prefix_cache
 from genserve.srt.messages import ReqOutput, TokenizedGenerateReq
 from genserve.srt.model_runner import ModelRunner
+from genserve.srt.multimodal.runtime import create_multimodal_runtime
 from genserve.srt.sampling import Sampler, SamplingBatchInfo
 from genserve.srt.scheduler.grammar_queue import GrammarQueue, apply_grammar_masks
 from genserve.srt.scheduler.input_logprobs import (
@@ -56,6 +57,7 @@ class Scheduler:
         )
         self.policy = create_policy(args.schedule_policy)
         self.sampler = Sampler()
+        self.mm = create_multimodal_runtime(runner, args)  # None for text-only models
         self.eos_ids = frozenset(runner.config.eos_token_ids)
         self.vocab_size = runner.config.vocab_size
         self.grammar = create_grammar_backend(
@@ -110,6 +112,8 @@ class Scheduler:
             error = "constrained decoding is disabled on this server (--grammar-backend none)"
         elif req.token_ids_logprob and max(req.token_ids_logprob) >= self.vocab_size:
             error = f"token_ids_logprob ids must be in [0, {self.vocab_size})"
+        elif req.mm_inputs is not None and self.mm is None:
+            error = "this model does not take image inputs"
         if error is not None:
             req.finish_abort(error, status=400)
             return req.make_output()
@@ -224,7 +228,7 @@ class Scheduler:
                 break
             if self.req_to_token_pool.available_size() == 0:
                 break
-            fill = req.fill_ids
+            fill = req.key_ids
             m = self.cache.match_prefix(fill[: req.max_prefix_len], req.namespace)
             prefix = int(m.indices.numel())
             extend = len(fill) - prefix
@@ -348,6 +352,7 @@ class Scheduler:
             [p for _, p, _ in batch],
             [n for _, _, n in batch],
             torch.cat(locs),
+            **(self.mm.prepare_extend(batch) if self.mm is not None else {}),
         )
         scored = plan_scored_rows(batch)
         if scored is not None:
@@ -384,6 +389,8 @@ class Scheduler:
             elif req.finished:
                 self._finish(req, outputs)
             else:
+                if self.mm is not None:
+                    self.mm.release(req)  # its images are in the KV now
                 # Publish the prompt's KV now so queued requests sharing it (n > 1, common
                 # system prompts) hit the cache instead of recomputing it.
                 self._insert_prefix(req)
@@ -418,6 +425,7 @@ class Scheduler:
             kv_lens,
             [1] * len(reqs),
             slots,
+            **(self.mm.prepare_decode(reqs) if self.mm is not None else {}),
         )
         logits = self.runner.forward(fb)
         self.stats["decode_steps"] += 1
@@ -476,20 +484,22 @@ class Scheduler:
         r2t = self.req_to_token_pool.req_to_token
         kv = r2t[req.row, : req.kv_len].clone()
         new_kv, new_prefix, node = self.cache.cache_unfinished_req(
-            req.fill_ids[: req.kv_len], kv, req.cache_prefix_len, req.last_node, req.namespace
+            req.key_ids[: req.kv_len], kv, req.cache_prefix_len, req.last_node, req.namespace
         )
         r2t[req.row, : req.kv_len] = new_kv
         req.cache_prefix_len, req.last_node = new_prefix, node
 
     def _release(self, req: Req, insert: bool) -> None:
         """Return everything the request holds: its slots (to the cache or the free list),
-        its cache lock and its req_to_token row."""
+        its cache lock, its image embeddings and its req_to_token row."""
+        if self.mm is not None:
+            self.mm.release(req)
         if req.row is None:
             return
         kv = self.req_to_token_pool.req_to_token[req.row, : req.kv_len].clone()
         if insert:
             self.cache.cache_finished_req(
-                req.fill_ids[: req.kv_len], kv, req.cache_prefix_len, req.last_node, req.namespace
+                req.key_ids[: req.kv_len], kv, req.cache_prefix_len, req.last_node, req.namespace
             )
         else:
             self.allocator.free(kv[req.cache_prefix_len :])
@@ -541,11 +551,15 @@ class Scheduler:
         compiling = self.compiling.reqs if self.compiling is not None else []
         if any(r.row is not None for r in self.waiting + compiling):
             raise IntegrityError("a waiting request still holds a req_to_token row")
+        if self.mm is not None:
+            self.mm.check_integrity(self.live_reqs() + self.waiting)
 
     def flush_cache(self) -> bool:
         if self.has_work():
             return False
         self.cache.reset()
+        if self.mm is not None:
+            self.mm.clear()
         return True
 
     def info(self) -> dict[str, Any]:
@@ -570,4 +584,5 @@ class Scheduler:
             "stats": dict(s),
             "grammar": self.grammar.info() if self.grammar is not None else None,
             "time": time.time(),
+            **({"multimodal": self.mm.info()} if self.mm is not None else {}),
         }

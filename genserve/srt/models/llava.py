@@ -1,0 +1,104 @@
+"""LLaVA: a CLIP or SigLIP vision tower and a projector from Hugging Face (run once per
+distinct image by the scheduler's image cache) in front of a Llama / Mistral / Qwen2 decoder
+that runs in genserve's runtime. Each image becomes a fixed number of tokens: the tower's patch
+features of `vision_feature_layer` (without the CLS token under the "default" strategy)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from genserve.srt.forward_batch import ForwardBatch
+from genserve.srt.layers.rotary_embedding import RotaryEmbedding
+from genserve.srt.model_config import ModelConfig
+from genserve.srt.models.qwen2_vl import ImageSplicingLM, rebuild_hf_buffers
+
+
+class LlavaForConditionalGeneration(nn.Module):
+    uses_mrope = False
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        import transformers
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+        raw = dict(cfg.multimodal or {})
+        hf_cfg = transformers.LlavaConfig.from_dict(raw)
+        self.config = cfg
+        self.feature_layer = hf_cfg.vision_feature_layer
+        self.select_strategy = hf_cfg.vision_feature_select_strategy
+        self.language_model = ImageSplicingLM(cfg)
+        self.vision_tower = transformers.AutoModel.from_config(hf_cfg.vision_config)
+        self.multi_modal_projector = LlavaMultiModalProjector(hf_cfg)
+
+    # ---- model runner hooks -----------------------------------------------------------------
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.language_model.layers
+
+    def tie_weights(self) -> None:
+        self.language_model.tie_weights()
+
+    def rebuild_buffers(self, device: torch.device) -> None:
+        cfg = self.config
+        with torch.device(device):
+            rotary = RotaryEmbedding(
+                cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+            )
+        self.language_model.set_rotary(rotary)
+        rebuild_hf_buffers(self.vision_tower, device)
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Checkpoints name the parts `vision_tower.*`, `multi_modal_projector.*` and
+        `language_model.model.*` / `language_model.lm_head.*` (older) or with a `model.`
+        prefix and `lm_head.*` (newer)."""
+        parts: dict[str, dict[str, torch.Tensor]] = {"vision": {}, "proj": {}, "text": {}}
+        for name, tensor in weights.items():
+            name = name.removeprefix("model.")
+            if name.startswith("vision_tower."):
+                parts["vision"][name.removeprefix("vision_tower.")] = tensor
+            elif name.startswith("multi_modal_projector."):
+                parts["proj"][name.removeprefix("multi_modal_projector.")] = tensor
+            else:
+                name = name.removeprefix("language_model.")
+                if not name.startswith(("model.", "lm_head.")):
+                    name = "model." + name
+                parts["text"][name] = tensor
+        self.language_model.load_weights(parts["text"])
+        self.multi_modal_projector.load_state_dict(parts["proj"])
+        vision = parts["vision"]
+        wants_prefix = any(k.startswith("vision_model.") for k in self.vision_tower.state_dict())
+        if wants_prefix and not any(k.startswith("vision_model.") for k in vision):
+            vision = {f"vision_model.{k}": v for k, v in vision.items()}
+        missing, unexpected = self.vision_tower.load_state_dict(vision, strict=False)
+        missing = [k for k in missing if not k.endswith("position_ids")]
+        if missing or unexpected:
+            raise ValueError(
+                f"vision tower weights do not match the config: missing {missing[:4]}, "
+                f"unexpected {unexpected[:4]}"
+            )
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        return self.language_model(fb)
+
+    @torch.inference_mode()
+    def encode_images(self, items: list[Any]) -> list[torch.Tensor]:
+        """Projected patch features of each image: [num_tokens, hidden] per item."""
+        device = self.language_model.embed_tokens.weight.device
+        dtype = next(self.vision_tower.parameters()).dtype
+        pixels = torch.cat([torch.from_numpy(it.pixel_values) for it in items]).to(device, dtype)
+        out = self.vision_tower(pixels, output_hidden_states=True, return_dict=True)
+        layers = (
+            self.feature_layer if isinstance(self.feature_layer, list) else [self.feature_layer]
+        )
+        feats = [out.hidden_states[i] for i in layers]
+        if self.select_strategy == "default":
+            feats = [f[:, 1:] for f in feats]
+        projected = self.multi_modal_projector(torch.cat(feats, dim=-1))  # [N, tokens, hidden]
+        return list(projected)
+
+
+VLM_ARCHITECTURES = {"LlavaForConditionalGeneration": LlavaForConditionalGeneration}
