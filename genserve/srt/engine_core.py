@@ -49,9 +49,6 @@ class Runtime:
 
 def context_length_for(args: EngineArgs, config: ModelConfig) -> int:
     limit = config.max_position_embeddings
-    if config.sliding_window:
-        # Sliding-window attention is not implemented: stay inside one window.
-        limit = min(limit, config.sliding_window)
     if args.context_length is None:
         return limit
     if args.context_length > limit:

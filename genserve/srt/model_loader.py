@@ -8,17 +8,23 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import io
 import json
 import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from genserve import envs
+
+if TYPE_CHECKING:
+    from genserve.srt.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +104,106 @@ def _gguf_to_folder(gguf: Path) -> Path:
     return folder
 
 
-def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    nbytes: int
+
+
+def safetensors_files(folder: Path) -> list[Path]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{folder} has no .safetensors weights (.bin checkpoints are not read)")
+        raise ValueError(
+            f"{folder} has no .safetensors weights (.bin checkpoints are not read); "
+            "expected config.json + *.safetensors + tokenizer files"
+        )
+    return files
+
+
+def read_safetensors_header(path: Path) -> list[TensorEntry]:
+    """The tensors of one .safetensors file, in file order, without reading their data."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path} is not a safetensors file (too short)")
+        size = int.from_bytes(head, "little")
+        if size > 100 * 2**20 or size > path.stat().st_size:
+            raise ValueError(f"{path} is not a safetensors file (bad header length)")
+        header = json.loads(f.read(size))
+    base = 8 + size
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        entries.append(TensorEntry(name, dtype, tuple(info["shape"]), base + begin, end - begin))
+    return sorted(entries, key=lambda e: e.start)
+
+
+def _read_exact(f: io.FileIO, start: int, out: torch.Tensor) -> None:
+    """Read out.nbytes bytes at `start` straight into the (contiguous, CPU) tensor's memory."""
+    buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    f.seek(start)
+    done = 0
+    while done < len(buf):
+        n = f.readinto(buf[done:])
+        if not n:
+            raise ValueError(f"{f.name}: file ends inside a tensor (truncated checkpoint?)")
+        done += n
+
+
+def load_checkpoint(model: CausalLM, folder: Path) -> None:
+    """Stream every safetensors tensor into the model's parameters.
+
+    A tensor whose dtype and device already match its destination is read from the file
+    directly into the parameter's memory; any other goes through one temporary of its own
+    size. Plain reads (not mmap) keep the file out of this process's resident memory, so the
+    peak is the model plus the largest tensor.
+    """
+    loader = model.weight_loader()
+    for path in safetensors_files(folder):
+        entries = read_safetensors_header(path)
+        with open(path, "rb", buffering=0) as f:
+            for e in entries:
+                dst = loader.destination(e.name, e.shape)
+                if dst is None:
+                    continue
+                if e.nbytes != dst.numel() * torch.tensor([], dtype=e.dtype).element_size():
+                    raise ValueError(f"{path}: tensor {e.name} has {e.nbytes} bytes for {e.shape}")
+                with torch.no_grad():
+                    if dst.dtype == e.dtype and dst.device.type == "cpu" and dst.is_contiguous():
+                        _read_exact(f, e.start, dst)
+                    else:
+                        tmp = torch.empty(e.shape, dtype=e.dtype)
+                        _read_exact(f, e.start, tmp)
+                        dst.copy_(tmp)
+                        del tmp
+    loader.finish()
+
+
+def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint in memory (tests and tools; serving streams instead)."""
     weights: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in safetensors_files(folder):
         weights.update(load_file(str(f)))
     return weights
