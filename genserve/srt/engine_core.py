@@ -43,6 +43,7 @@ class Runtime:
             "num_layers": cfg.num_hidden_layers,
             "max_total_tokens": self.runner.max_total_tokens,
             "eos_token_ids": list(cfg.eos_token_ids),
+            "generation_defaults": dict(cfg.generation_defaults),
             "has_tokenizer": self.tokenizer is not None,
         }
 
@@ -59,7 +60,7 @@ def context_length_for(args: EngineArgs, config: ModelConfig) -> int:
 def build_runtime(args: EngineArgs) -> Runtime:
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
-    folder, name = resolve_model_folder(args.model_path)
+    folder, name = resolve_model_folder(args.model_path, args.dtype, args.device)
     config = ModelConfig.from_folder(folder)
     tokenizer = load_tokenizer(folder)
     context_length = context_length_for(args, config)

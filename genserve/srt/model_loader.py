@@ -1,7 +1,8 @@
 """Find a model's files (HF folder, .gguf file, or the embedded default) and load its weights.
 
-A GGUF file is dequantized once through transformers' GGUF support and cached as a regular HF
-folder (config + safetensors + tokenizer) under GENSERVE_CACHE_DIR, so later starts take seconds.
+A GGUF file is checked against the registry and its own metadata, then dequantized once through
+transformers' GGUF support into the serving dtype and cached as a regular HF folder (config +
+safetensors + tokenizer) under GENSERVE_CACHE_DIR, so later starts take seconds.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from genserve import envs
+from genserve.srt.models.registry import (
+    architecture_for_model_type,
+    supported_architectures,
+    unsupported_message,
+)
 
 if TYPE_CHECKING:
     from genserve.srt.models.base import CausalLM
@@ -47,51 +53,169 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def resolve_model_folder(model_path: str | os.PathLike | None) -> tuple[Path, str]:
-    """Return (HF folder with config.json + safetensors + tokenizer, display name)."""
+def resolve_model_folder(
+    model_path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto"
+) -> tuple[Path, str]:
+    """Return (HF folder with config.json + safetensors + tokenizer, display name).
+
+    `model_path` is a local folder, a `.gguf` file (or a folder holding exactly one), a
+    Hugging Face hub id (from the local HF cache, downloaded when missing and a network is
+    there), or None for the embedded SmolLM2. `dtype` / `device` are the serving ones: a GGUF is
+    dequantized into that dtype.
+    """
     if model_path is None:
-        return _gguf_to_folder(embedded_gguf_path()), EMBEDDED_NAME
+        return _gguf_to_folder(embedded_gguf_path(), _gguf_dtype(dtype, device)), EMBEDDED_NAME
     path = Path(model_path).expanduser()
     if not path.exists():
-        raise ValueError(f"model path {str(path)!r} does not exist")
+        if _looks_like_hub_id(str(model_path)):
+            return resolve_hub_id(str(model_path)), str(model_path)
+        raise ValueError(
+            f"model path {str(path)!r} does not exist (expected a model folder, a .gguf file "
+            "or a Hugging Face hub id like org/name)"
+        )
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf; pass a .gguf or an HF folder")
-        return _gguf_to_folder(path), path.stem
+        return _gguf_to_folder(path, _gguf_dtype(dtype, device)), path.stem
     if (path / "config.json").is_file():
         return path, path.name
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
-        return _gguf_to_folder(ggufs[0]), ggufs[0].stem
-    raise ValueError(f"{path} has no config.json (and not exactly one .gguf file)")
+        return _gguf_to_folder(ggufs[0], _gguf_dtype(dtype, device)), ggufs[0].stem
+    raise ValueError(
+        f"{path} has no config.json (and not exactly one .gguf file); expected a Hugging Face "
+        f"model folder (config.json + *.safetensors + tokenizer) of one of: "
+        f"{', '.join(supported_architectures())}"
+    )
 
 
-def _gguf_to_folder(gguf: Path) -> Path:
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~", "/"))
+
+
+_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+def resolve_hub_id(repo_id: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The snapshot folder of a hub model: from the local HF cache without any network access,
+    else downloaded (huggingface_hub shows a progress bar)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(
+            repo_id, cache_dir=cache_dir, local_files_only=True, allow_patterns=_HUB_FILES
+        )
+    except LocalEntryNotFoundError:
+        logger.info("%s is not in the local Hugging Face cache: downloading it", repo_id)
+        try:
+            folder = snapshot_download(repo_id, cache_dir=cache_dir, allow_patterns=_HUB_FILES)
+        except Exception as e:  # offline, unknown repo, gated: all end the start-up here
+            raise ValueError(
+                f"{repo_id!r} is not a local path, not in the local Hugging Face cache, and "
+                f"could not be downloaded ({type(e).__name__}: {e})"
+            ) from None
+    if not (Path(folder) / "config.json").is_file():
+        raise ValueError(f"the cached snapshot of {repo_id!r} at {folder} has no config.json")
+    return Path(folder)
+
+
+def _gguf_dtype(dtype: str, device: str) -> torch.dtype:
+    """The dtype a GGUF is dequantized into: the one the model will run in (bfloat16 or
+    float16; float32 only where the CPU has no bf16 math, as `resolve_dtype` decides)."""
+    from genserve.srt.device import resolve_device, resolve_dtype
+
+    return resolve_dtype(dtype, resolve_device(device))
+
+
+# llama.cpp's architecture names that differ from the HF model_type.
+_GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+
+
+def check_gguf(gguf: Path) -> str:
+    """Read a GGUF's metadata (no tensor data) and return the registered architecture it holds.
+
+    Refuses an architecture genserve does not serve, and tensors that disagree with the
+    metadata (layer count, embedding width), before anything is converted.
+    """
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(gguf))
+    except Exception as e:
+        raise ValueError(f"{gguf} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+    def field(key: str):
+        f = reader.fields.get(key)
+        return None if f is None else f.contents()
+
+    arch = field("general.architecture") or "?"
+    name = (field("general.name") or "").lower()
+    model_type = _GGUF_MODEL_TYPES.get(arch, arch)
+    if arch == "llama" and "mistral" in name:
+        model_type = "mistral"
+    hf_arch = architecture_for_model_type(model_type)
+    if hf_arch is None:
+        raise ValueError(f"{gguf.name}: " + unsupported_message(f"{arch!r} (GGUF)"))
+    blocks = field(f"{arch}.block_count")
+    width = field(f"{arch}.embedding_length")
+    names = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    layers = {int(n.split(".")[1]) for n in names if n.startswith("blk.")}
+    if blocks is None or layers != set(range(int(blocks))):
+        raise ValueError(
+            f"{gguf.name}: metadata says {blocks} layers but the file has tensors for layers "
+            f"{sorted(layers)[:4]}...{sorted(layers)[-2:] if layers else ''} "
+            f"({len(layers)} layers): the file does not match its metadata"
+        )
+    embd = names.get("token_embd.weight")
+    if embd is None or width is None or int(width) != embd[0]:
+        raise ValueError(
+            f"{gguf.name}: metadata embedding_length {width} does not match token_embd.weight "
+            f"{embd}: the file does not match its metadata"
+        )
+    return hf_arch
+
+
+def _gguf_to_folder(gguf: Path, dtype: torch.dtype) -> Path:
+    """Dequantize a GGUF once into `dtype` and cache it as an HF folder."""
     stat = gguf.stat()
+    dtype_name = str(dtype).removeprefix("torch.")
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    folder = envs.GENSERVE_CACHE_DIR.get() / "gguf" / f"{gguf.stem}-{key.hexdigest()[:16]}"
+    folder = (
+        envs.GENSERVE_CACHE_DIR.get() / "gguf" / f"{gguf.stem}-{dtype_name}-{key.hexdigest()[:16]}"
+    )
     if (folder / "config.json").is_file():
         return folder
-    logger.info("converting %s to safetensors (first start only) into %s", gguf.name, folder)
+    arch = check_gguf(gguf)
+    logger.info(
+        "converting %s to %s safetensors (first start only) into %s", gguf.name, dtype_name, folder
+    )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
     try:
-        # transformers shows a progress bar while it dequantizes the tensors.
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
+        try:
+            # transformers shows a progress bar while it dequantizes the tensors.
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=dtype
+            )
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ValueError(f"{gguf.name} could not be converted: {e}") from None
         # save_pretrained refuses GGUF-quantized models; the dequantized tensors are plain.
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        state = {k: v.to(dtype).contiguous() for k, v in model.state_dict().items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         cfg = model.config.to_dict()
         cfg.pop("quantization_config", None)
-        cfg["architectures"] = [type(model).__name__]
+        cfg["architectures"] = [arch]
+        cfg["torch_dtype"] = dtype_name
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         del model, state
         try:

@@ -1,12 +1,13 @@
 """Rotary position embeddings (neox layout, as in HF Llama's `rotate_half`) with the RoPE
 scaling types of the supported configs: linear, dynamic NTK, yarn, llama3 and longrope.
 
-The cos/sin table is built once per position. Two types depend on the sequence length in HF
-transformers, which recomputes the frequencies from the longest position of each forward pass;
-here the choice is made per position instead (the same for every decode step, which sees one
-new position): dynamic NTK rescales rows at or beyond `max_position_embeddings` with
-seq_len = position + 1, and longrope uses its short factors below
-`original_max_position_embeddings` and its long factors from there on.
+The cos/sin table is built once per position, always on the CPU (also while a model is
+constructed on the meta device: meta ops would import torch's whole meta-kernel library).
+Two types depend on the sequence length in HF transformers, which recomputes the frequencies
+from the longest position of each forward pass; here the choice is made per position instead
+(the same for every decode step, which sees one new position): dynamic NTK rescales rows at or
+beyond `max_position_embeddings` with seq_len = position + 1, and longrope uses its short
+factors below `original_max_position_embeddings` and its long factors from there on.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
 def _base_inv_freq(dim: int, theta: float) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
 
 
 def rope_inv_freq(
@@ -65,8 +66,10 @@ def rope_inv_freq(
         if attn is None:
             attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
         ext = scaling["long_factor"] if seq_len and seq_len > orig else scaling["short_factor"]
-        shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        return 1.0 / (torch.tensor(ext, dtype=torch.float32) * theta**shape), float(attn)
+        shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+        return 1.0 / (torch.tensor(ext, dtype=torch.float32, device="cpu") * theta**shape), float(
+            attn
+        )
     raise ValueError(f"rope scaling type {kind!r} is not supported (supported: {ROPE_TYPES})")
 
 
@@ -96,8 +99,10 @@ def _yarn(
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = torch.clamp(
+        (torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1
+    )
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
     extrapolation = 1 - ramp
     inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv, float(attn)
@@ -108,7 +113,7 @@ def rope_cos_sin_table(
 ) -> torch.Tensor:
     """[rows, rotary_dim] float32: cos in the first half, sin in the second, per position."""
     kind = (scaling or {}).get("rope_type", "default")
-    t = torch.arange(rows, dtype=torch.float32)
+    t = torch.arange(rows, dtype=torch.float32, device="cpu")
     inv, attn = rope_inv_freq(rotary_dim, theta, scaling, max_position)
     freqs = torch.outer(t, inv)  # [rows, rotary_dim / 2]
     if kind == "longrope":

@@ -41,6 +41,16 @@ class ModelKernels:
                 raise ValueError(f"{field} kernel must be one of {KERNELS}, got {value!r}")
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding that does not initialise weights built on the meta device: the checkpoint
+    overwrites them, and a random init of a meta tensor would import torch's whole meta-kernel
+    library (~150 MB resident) just to do nothing."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class MergedLinear(nn.Linear):
     """A linear layer whose output rows are several checkpoint tensors stacked along dim 0
     (q/k/v -> qkv_proj, gate/up -> gate_up_proj), loaded shard by shard."""

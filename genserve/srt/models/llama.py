@@ -18,7 +18,7 @@ from genserve.srt.layers.attention.base import AttentionLayerInfo
 from genserve.srt.layers.layernorm import RMSNorm
 from genserve.srt.layers.rotary_embedding import RotaryEmbedding
 from genserve.srt.model_config import ModelConfig
-from genserve.srt.models.base import CausalLM, MergedLinear, ModelKernels
+from genserve.srt.models.base import CausalLM, Embedding, MergedLinear, ModelKernels
 
 _DEFAULT_KERNELS = ModelKernels()
 
@@ -148,7 +148,7 @@ class LlamaForCausalLM(CausalLM):
             cfg.rope_scaling,
             kernel=kernels.rotary,
         )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             self.make_layer(i, rotary) for i in range(cfg.num_hidden_layers)
         )
