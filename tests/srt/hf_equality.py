@@ -18,6 +18,23 @@ PROMPTS = [
     list(range(3, 60)),
 ]
 MAX_NEW_TOKENS = 10
+# The triton attention backend with the triton norm and rotary kernels (under Triton's
+# interpreter on a CPU).
+TRITON = dict(attention_backend="triton", norm_kernel="triton", rotary_kernel="triton")
+# What every tiny config shares: 2 layers, hidden 64, GQA.
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 
 def save_tiny(model_cls: type, config: Any, path: Path, seed: int = 0) -> Path:
