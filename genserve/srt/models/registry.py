@@ -20,6 +20,8 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "MistralForCausalLM": ("mistral", "MistralForCausalLM", "mistral"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM", "qwen2"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM", "qwen3"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM", "gemma2"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM", "gemma3_text"),
 }
 
 
