@@ -57,6 +57,13 @@ class ModelConfig:
                 f"{self.num_hidden_layers} layers"
             )
 
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each head that the rotary embedding turns (Phi's partial rotary)."""
+        rope = self.hf.get("rope_parameters") or {}
+        factor = self.hf.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+        return int(self.head_dim * factor)
+
     def layer_window(self, layer_id: int) -> int | None:
         """The sliding window of one layer, None for full attention."""
         if not self.sliding_window:
@@ -83,6 +90,10 @@ class ModelConfig:
         if "full_attention" in rope:  # per-layer-type rope parameters (Gemma 3)
             rope = rope["full_attention"]
         rope_theta, rope_scaling = _rope_fields(rope, cfg.get("rope_theta", 10000.0))
+        if rope_scaling is not None and "original_max_position_embeddings" in cfg:
+            # Phi-3 keeps the pre-training context next to rope_scaling, not inside it.
+            orig = cfg["original_max_position_embeddings"]
+            rope_scaling.setdefault("original_max_position_embeddings", orig)
         generation = generation or {}
         eos = generation.get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())

@@ -154,10 +154,15 @@ class WeightLoader:
             raise ValueError(
                 f"weight {hf_name}: checkpoint shape {tuple(shape)} != model {tuple(dst.shape)}"
             )
-        key = (name, shard)
-        if key in self.loaded:
+        keys = [(name, shard)]
+        owner = self.modules.get(name.rsplit(".", 1)[0]) if "." in name else None
+        if shard is None and hasattr(owner, "shard_ids"):
+            # A checkpoint that already stores the fused tensor (Phi-3's qkv_proj) fills every
+            # shard at once.
+            keys = [(name, s) for s in owner.shard_ids()]  # type: ignore[union-attr]
+        if any(k in self.loaded for k in keys):
             raise ValueError(f"weight {hf_name!r} appears twice in the checkpoint")
-        self.loaded.add(key)
+        self.loaded.update(keys)
         return dst
 
     def expected(self) -> set[tuple[str, Any]]:

@@ -98,7 +98,12 @@ class Gemma2ForCausalLM(CausalLM):
             if kind not in rotaries:
                 theta, scaling = cfg.rope_for(kind)
                 rotaries[kind] = RotaryEmbedding(
-                    cfg.head_dim, cfg.max_position_embeddings, theta, scaling, kernel=kernels.rotary
+                    cfg.head_dim,
+                    cfg.max_position_embeddings,
+                    theta,
+                    scaling,
+                    kernel=kernels.rotary,
+                    rotary_dim=cfg.rotary_dim,
                 )
             layers.append(Gemma2DecoderLayer(cfg, i, rotaries[kind], kernels, self.qk_norm))
         self.layers = nn.ModuleList(layers)

@@ -147,6 +147,7 @@ class LlamaForCausalLM(CausalLM):
             cfg.rope_theta,
             cfg.rope_scaling,
             kernel=kernels.rotary,
+            rotary_dim=cfg.rotary_dim,
         )
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(

@@ -22,6 +22,8 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM", "qwen3"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM", "gemma2"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM", "gemma3_text"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM", "phi3"),
+    "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM", "olmo2"),
 }
 
 
