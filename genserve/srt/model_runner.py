@@ -82,7 +82,9 @@ class ModelRunner:
         # Norm and rotary kernels follow the device, not the attention backend.
         kernel = "triton" if self.device.type == "cuda" else "torch"
         self.kernels = ModelKernels(
-            norm=args.norm_kernel or kernel, rotary=args.rotary_kernel or kernel
+            norm=args.norm_kernel or kernel,
+            rotary=args.rotary_kernel or kernel,
+            moe=args.moe_kernel or kernel,
         )
         self.model = load_model(config, folder, self.device, self.dtype, self.kernels)
         if backend == "triton":

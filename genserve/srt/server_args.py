@@ -22,6 +22,7 @@ class EngineArgs:
     # RMSNorm / rotary kernels, chosen apart from the attention backend; None = by device.
     norm_kernel: str | None = None
     rotary_kernel: str | None = None
+    moe_kernel: str | None = None  # experts of MoE models
     max_total_tokens: int | None = None  # KV pool size in tokens; None = from mem_fraction
     # CPU: share of available host memory given to the KV pool (None = 0.1). CUDA: share of
     # total GPU memory that weights + activations + KV pool may take (None = 0.85); the pool
@@ -51,7 +52,7 @@ class EngineArgs:
             )
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
-        for name in ("norm_kernel", "rotary_kernel"):
+        for name in ("norm_kernel", "rotary_kernel", "moe_kernel"):
             if getattr(self, name) not in (None, *KERNELS):
                 raise ValueError(f"{name} must be one of {KERNELS}, got {getattr(self, name)!r}")
         if self.mem_fraction is not None and not 0 < self.mem_fraction <= 0.95:

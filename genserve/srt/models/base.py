@@ -28,14 +28,15 @@ KERNELS = ("torch", "triton")
 
 @dataclass(frozen=True)
 class ModelKernels:
-    """Which implementation runs the RMSNorm and the rotary embedding (the attention kernel is
-    the attention backend's business)."""
+    """Which implementation runs the RMSNorm, the rotary embedding and the MoE experts (the
+    attention kernel is the attention backend's business)."""
 
     norm: str = "torch"
     rotary: str = "torch"
+    moe: str = "torch"
 
     def __post_init__(self) -> None:
-        for field in ("norm", "rotary"):
+        for field in ("norm", "rotary", "moe"):
             if getattr(self, field) not in KERNELS:
                 value = getattr(self, field)
                 raise ValueError(f"{field} kernel must be one of {KERNELS}, got {value!r}")
@@ -63,7 +64,7 @@ class MergedLinear(nn.Linear):
             self.shard_offsets[shard] = (offset, size)
             offset += size
 
-    def shard_ids(self) -> list[Any]:
+    def shard_ids(self, param_name: str = "weight") -> list[Any]:
         return list(self.shard_offsets)
 
     def shard_view(self, param: torch.Tensor, shard: Any) -> torch.Tensor:
@@ -159,7 +160,8 @@ class WeightLoader:
         if shard is None and hasattr(owner, "shard_ids"):
             # A checkpoint that already stores the fused tensor (Phi-3's qkv_proj) fills every
             # shard at once.
-            keys = [(name, s) for s in owner.shard_ids()]  # type: ignore[union-attr]
+            leaf = name.rsplit(".", 1)[1]
+            keys = [(name, s) for s in owner.shard_ids(leaf)]  # type: ignore[union-attr]
         if any(k in self.loaded for k in keys):
             raise ValueError(f"weight {hf_name!r} appears twice in the checkpoint")
         self.loaded.update(keys)
@@ -177,7 +179,7 @@ class WeightLoader:
             if shard_ids is None:
                 keys.add((name, None))
             else:
-                keys.update((name, s) for s in shard_ids())
+                keys.update((name, s) for s in shard_ids(name.rsplit(".", 1)[-1]))
         return keys
 
     def finish(self) -> None:

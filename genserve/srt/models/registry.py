@@ -24,6 +24,9 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM", "gemma3_text"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM", "phi3"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM", "olmo2"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM", "mixtral"),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2_moe"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 
 
