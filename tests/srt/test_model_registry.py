@@ -102,3 +102,12 @@ def test_safetensors_header_is_read_without_the_data(tiny_model_factory):
     entries = read_safetensors_header(path)
     assert {e.name for e in entries} >= {"model.embed_tokens.weight", "model.norm.weight"}
     assert all(e.start + e.nbytes <= path.stat().st_size for e in entries)
+
+
+def test_readme_lists_every_registered_architecture():
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    table = readme.split("## Supported LLM architectures", 1)[1].split("\n## ", 1)[0]
+    listed = {line.split("`")[1] for line in table.splitlines() if line.startswith("| `")}
+    assert listed == set(supported_architectures())
