@@ -43,7 +43,7 @@ class AsyncEngine(LLMEngineClient):
 
         args = args or EngineArgs()
         # Convert a GGUF (with a progress bar) here, once; the child loads the cached folder.
-        folder, name = resolve_model_folder(args.model_path)
+        folder, name = resolve_model_folder(args.model_path, args.dtype, args.device)
         self.args = replace(args, model_path=str(folder))
         self.model_name = name
         self.tokenizer = load_tokenizer(folder)
@@ -69,6 +69,7 @@ class AsyncEngine(LLMEngineClient):
         self._info["model_name"] = name
         self._info["modalities"] = list(self.modalities)
         self.context_length = int(ready.payload["context_length"])
+        self.generation_defaults = dict(ready.payload.get("generation_defaults") or {})
         self._dead: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._states: dict[str, tuple[RequestState, asyncio.Queue]] = {}
@@ -145,7 +146,7 @@ class AsyncEngine(LLMEngineClient):
         self._bind_loop()
         if self._dead:
             raise EngineDeadError(self._dead)
-        params = SamplingParams.from_dict(req.sampling_params)
+        params = SamplingParams.from_dict(req.sampling_params, self.generation_defaults)
         if params.n != 1:
             raise ValueError("this client serves n == 1; submit one request per choice")
         if req.input_ids is not None:

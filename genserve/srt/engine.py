@@ -74,7 +74,7 @@ class Engine:
             param_list = [sampling_params] * len(prompts)
         reqs: list[TokenizedGenerateReq] = []
         for ids, sp, mm in zip(prompts, param_list, mm_list):
-            params = SamplingParams.from_dict(sp)
+            params = SamplingParams.from_dict(sp, self.runtime.config.generation_defaults)
             if params.n > 1:
                 single = False
             for p in expand_n(params):

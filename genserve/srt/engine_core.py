@@ -44,6 +44,7 @@ class Runtime:
             "num_layers": cfg.num_hidden_layers,
             "max_total_tokens": self.runner.max_total_tokens,
             "eos_token_ids": list(cfg.eos_token_ids),
+            "generation_defaults": dict(cfg.generation_defaults),
             "has_tokenizer": self.tokenizer is not None,
             "grammar_backend": "xgrammar" if self.scheduler.grammar is not None else None,
             "chat_roles": chat_role_markers(self.tokenizer),
@@ -53,9 +54,6 @@ class Runtime:
 
 def context_length_for(args: EngineArgs, config: ModelConfig) -> int:
     limit = config.max_position_embeddings
-    if config.sliding_window:
-        # Sliding-window attention is not implemented: stay inside one window.
-        limit = min(limit, config.sliding_window)
     if args.context_length is None:
         return limit
     if args.context_length > limit:
@@ -66,7 +64,7 @@ def context_length_for(args: EngineArgs, config: ModelConfig) -> int:
 def build_runtime(args: EngineArgs) -> Runtime:
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
-    folder, name = resolve_model_folder(args.model_path)
+    folder, name = resolve_model_folder(args.model_path, args.dtype, args.device)
     config = ModelConfig.from_folder(folder)
     tokenizer = load_tokenizer(folder)
     context_length = context_length_for(args, config)

@@ -1,24 +1,36 @@
 """Find a model's files (HF folder, .gguf file, or the embedded default) and load its weights.
 
-A GGUF file is dequantized once through transformers' GGUF support and cached as a regular HF
-folder (config + safetensors + tokenizer) under GENSERVE_CACHE_DIR, so later starts take seconds.
+A GGUF file is checked against the registry and its own metadata, then dequantized once through
+transformers' GGUF support into the serving dtype and cached as a regular HF folder (config +
+safetensors + tokenizer) under GENSERVE_CACHE_DIR, so later starts take seconds.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import io
 import json
 import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from genserve import envs
+from genserve.srt.models.registry import (
+    architecture_for_model_type,
+    supported_architectures,
+    unsupported_message,
+)
+
+if TYPE_CHECKING:
+    from genserve.srt.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -41,51 +53,169 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def resolve_model_folder(model_path: str | os.PathLike | None) -> tuple[Path, str]:
-    """Return (HF folder with config.json + safetensors + tokenizer, display name)."""
+def resolve_model_folder(
+    model_path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto"
+) -> tuple[Path, str]:
+    """Return (HF folder with config.json + safetensors + tokenizer, display name).
+
+    `model_path` is a local folder, a `.gguf` file (or a folder holding exactly one), a
+    Hugging Face hub id (from the local HF cache, downloaded when missing and a network is
+    there), or None for the embedded SmolLM2. `dtype` / `device` are the serving ones: a GGUF is
+    dequantized into that dtype.
+    """
     if model_path is None:
-        return _gguf_to_folder(embedded_gguf_path()), EMBEDDED_NAME
+        return _gguf_to_folder(embedded_gguf_path(), _gguf_dtype(dtype, device)), EMBEDDED_NAME
     path = Path(model_path).expanduser()
     if not path.exists():
-        raise ValueError(f"model path {str(path)!r} does not exist")
+        if _looks_like_hub_id(str(model_path)):
+            return resolve_hub_id(str(model_path)), str(model_path)
+        raise ValueError(
+            f"model path {str(path)!r} does not exist (expected a model folder, a .gguf file "
+            "or a Hugging Face hub id like org/name)"
+        )
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf; pass a .gguf or an HF folder")
-        return _gguf_to_folder(path), path.stem
+        return _gguf_to_folder(path, _gguf_dtype(dtype, device)), path.stem
     if (path / "config.json").is_file():
         return path, path.name
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
-        return _gguf_to_folder(ggufs[0]), ggufs[0].stem
-    raise ValueError(f"{path} has no config.json (and not exactly one .gguf file)")
+        return _gguf_to_folder(ggufs[0], _gguf_dtype(dtype, device)), ggufs[0].stem
+    raise ValueError(
+        f"{path} has no config.json (and not exactly one .gguf file); expected a Hugging Face "
+        f"model folder (config.json + *.safetensors + tokenizer) of one of: "
+        f"{', '.join(supported_architectures())}"
+    )
 
 
-def _gguf_to_folder(gguf: Path) -> Path:
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~", "/"))
+
+
+_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+def resolve_hub_id(repo_id: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The snapshot folder of a hub model: from the local HF cache without any network access,
+    else downloaded (huggingface_hub shows a progress bar)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(
+            repo_id, cache_dir=cache_dir, local_files_only=True, allow_patterns=_HUB_FILES
+        )
+    except LocalEntryNotFoundError:
+        logger.info("%s is not in the local Hugging Face cache: downloading it", repo_id)
+        try:
+            folder = snapshot_download(repo_id, cache_dir=cache_dir, allow_patterns=_HUB_FILES)
+        except Exception as e:  # offline, unknown repo, gated: all end the start-up here
+            raise ValueError(
+                f"{repo_id!r} is not a local path, not in the local Hugging Face cache, and "
+                f"could not be downloaded ({type(e).__name__}: {e})"
+            ) from None
+    if not (Path(folder) / "config.json").is_file():
+        raise ValueError(f"the cached snapshot of {repo_id!r} at {folder} has no config.json")
+    return Path(folder)
+
+
+def _gguf_dtype(dtype: str, device: str) -> torch.dtype:
+    """The dtype a GGUF is dequantized into: the one the model will run in (bfloat16 or
+    float16; float32 only where the CPU has no bf16 math, as `resolve_dtype` decides)."""
+    from genserve.srt.device import resolve_device, resolve_dtype
+
+    return resolve_dtype(dtype, resolve_device(device))
+
+
+# llama.cpp's architecture names that differ from the HF model_type.
+_GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+
+
+def check_gguf(gguf: Path) -> str:
+    """Read a GGUF's metadata (no tensor data) and return the registered architecture it holds.
+
+    Refuses an architecture genserve does not serve, and tensors that disagree with the
+    metadata (layer count, embedding width), before anything is converted.
+    """
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(gguf))
+    except Exception as e:
+        raise ValueError(f"{gguf} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+    def field(key: str):
+        f = reader.fields.get(key)
+        return None if f is None else f.contents()
+
+    arch = field("general.architecture") or "?"
+    name = (field("general.name") or "").lower()
+    model_type = _GGUF_MODEL_TYPES.get(arch, arch)
+    if arch == "llama" and "mistral" in name:
+        model_type = "mistral"
+    hf_arch = architecture_for_model_type(model_type)
+    if hf_arch is None:
+        raise ValueError(f"{gguf.name}: " + unsupported_message(f"{arch!r} (GGUF)"))
+    blocks = field(f"{arch}.block_count")
+    width = field(f"{arch}.embedding_length")
+    names = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    layers = {int(n.split(".")[1]) for n in names if n.startswith("blk.")}
+    if blocks is None or layers != set(range(int(blocks))):
+        raise ValueError(
+            f"{gguf.name}: metadata says {blocks} layers but the file has tensors for layers "
+            f"{sorted(layers)[:4]}...{sorted(layers)[-2:] if layers else ''} "
+            f"({len(layers)} layers): the file does not match its metadata"
+        )
+    embd = names.get("token_embd.weight")
+    if embd is None or width is None or int(width) != embd[0]:
+        raise ValueError(
+            f"{gguf.name}: metadata embedding_length {width} does not match token_embd.weight "
+            f"{embd}: the file does not match its metadata"
+        )
+    return hf_arch
+
+
+def _gguf_to_folder(gguf: Path, dtype: torch.dtype) -> Path:
+    """Dequantize a GGUF once into `dtype` and cache it as an HF folder."""
     stat = gguf.stat()
+    dtype_name = str(dtype).removeprefix("torch.")
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    folder = envs.GENSERVE_CACHE_DIR.get() / "gguf" / f"{gguf.stem}-{key.hexdigest()[:16]}"
+    folder = (
+        envs.GENSERVE_CACHE_DIR.get() / "gguf" / f"{gguf.stem}-{dtype_name}-{key.hexdigest()[:16]}"
+    )
     if (folder / "config.json").is_file():
         return folder
-    logger.info("converting %s to safetensors (first start only) into %s", gguf.name, folder)
+    arch = check_gguf(gguf)
+    logger.info(
+        "converting %s to %s safetensors (first start only) into %s", gguf.name, dtype_name, folder
+    )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
     try:
-        # transformers shows a progress bar while it dequantizes the tensors.
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
+        try:
+            # transformers shows a progress bar while it dequantizes the tensors.
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=dtype
+            )
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ValueError(f"{gguf.name} could not be converted: {e}") from None
         # save_pretrained refuses GGUF-quantized models; the dequantized tensors are plain.
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        state = {k: v.to(dtype).contiguous() for k, v in model.state_dict().items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         cfg = model.config.to_dict()
         cfg.pop("quantization_config", None)
-        cfg["architectures"] = [type(model).__name__]
+        cfg["architectures"] = [arch]
+        cfg["torch_dtype"] = dtype_name
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         del model, state
         try:
@@ -98,11 +228,106 @@ def _gguf_to_folder(gguf: Path) -> Path:
     return folder
 
 
-def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    nbytes: int
+
+
+def safetensors_files(folder: Path) -> list[Path]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{folder} has no .safetensors weights (.bin checkpoints are not read)")
+        raise ValueError(
+            f"{folder} has no .safetensors weights (.bin checkpoints are not read); "
+            "expected config.json + *.safetensors + tokenizer files"
+        )
+    return files
+
+
+def read_safetensors_header(path: Path) -> list[TensorEntry]:
+    """The tensors of one .safetensors file, in file order, without reading their data."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path} is not a safetensors file (too short)")
+        size = int.from_bytes(head, "little")
+        if size > 100 * 2**20 or size > path.stat().st_size:
+            raise ValueError(f"{path} is not a safetensors file (bad header length)")
+        header = json.loads(f.read(size))
+    base = 8 + size
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        entries.append(TensorEntry(name, dtype, tuple(info["shape"]), base + begin, end - begin))
+    return sorted(entries, key=lambda e: e.start)
+
+
+def _read_exact(f: io.FileIO, start: int, out: torch.Tensor) -> None:
+    """Read out.nbytes bytes at `start` straight into the (contiguous, CPU) tensor's memory."""
+    buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    f.seek(start)
+    done = 0
+    while done < len(buf):
+        n = f.readinto(buf[done:])
+        if not n:
+            raise ValueError(f"{f.name}: file ends inside a tensor (truncated checkpoint?)")
+        done += n
+
+
+def load_checkpoint(model: CausalLM, folder: Path) -> None:
+    """Stream every safetensors tensor into the model's parameters.
+
+    A tensor whose dtype and device already match its destination is read from the file
+    directly into the parameter's memory; any other goes through one temporary of its own
+    size. Plain reads (not mmap) keep the file out of this process's resident memory, so the
+    peak is the model plus the largest tensor.
+    """
+    loader = model.weight_loader()
+    for path in safetensors_files(folder):
+        entries = read_safetensors_header(path)
+        with open(path, "rb", buffering=0) as f:
+            for e in entries:
+                dst = loader.destination(e.name, e.shape)
+                if dst is None:
+                    continue
+                if e.nbytes != dst.numel() * torch.tensor([], dtype=e.dtype).element_size():
+                    raise ValueError(f"{path}: tensor {e.name} has {e.nbytes} bytes for {e.shape}")
+                with torch.no_grad():
+                    if dst.dtype == e.dtype and dst.device.type == "cpu" and dst.is_contiguous():
+                        _read_exact(f, e.start, dst)
+                    else:
+                        tmp = torch.empty(e.shape, dtype=e.dtype)
+                        _read_exact(f, e.start, tmp)
+                        dst.copy_(tmp)
+                        del tmp
+    loader.finish()
+
+
+def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint in memory (tests and tools; serving streams instead)."""
     weights: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in safetensors_files(folder):
         weights.update(load_file(str(f)))
     return weights

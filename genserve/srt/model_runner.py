@@ -8,50 +8,64 @@ from pathlib import Path
 import psutil
 import torch
 
+from genserve.srt.device import resolve_device, resolve_dtype
 from genserve.srt.forward_batch import ForwardBatch, ForwardMode
 from genserve.srt.layers.attention.base import AttentionBackend
 from genserve.srt.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from genserve.srt.model_config import ModelConfig
-from genserve.srt.model_loader import load_state_dict
-from genserve.srt.models.llama import ARCHITECTURES
+from genserve.srt.model_loader import load_checkpoint, load_state_dict
+from genserve.srt.models.base import CausalLM, ModelKernels
+from genserve.srt.models.registry import get_model_class
 from genserve.srt.server_args import EngineArgs
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Upper bound for automatic pool sizing: plenty for a CPU box, cheap to index.
 _MAX_AUTO_TOKENS = 1 << 20
+# Default share of host memory the KV pool takes on CPU, and of total GPU memory that weights,
+# activations and the KV pool take together on CUDA (SGLang's static memory fraction).
+CPU_MEM_FRACTION = 0.1
+CUDA_MEM_FRACTION = 0.85
 
 
-def vlm_architectures() -> dict[str, type[torch.nn.Module]]:
-    from genserve.srt.models import llava, qwen2_vl
+def load_model(
+    config: ModelConfig,
+    folder: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    kernels: ModelKernels,
+) -> CausalLM:
+    """Build the family's model on the meta device, give it empty storage in `dtype` on
+    `device`, and stream the checkpoint into it: no weight ever exists in another dtype."""
+    model_cls = get_model_class(config.architecture)
+    if config.multimodal is not None:
+        return _load_vision_model(model_cls, config, folder, device, dtype)
+    with torch.device("meta"):
+        model = model_cls(config, kernels)
+    model = model.to(dtype).to_empty(device=device)
+    model.tie_weights()  # to_empty gives each module its own copy of a shared parameter
+    for module in model.modules():  # buffers (the rotary tables) were meta: compute them
+        rebuild = getattr(module, "rebuild", None)
+        if callable(rebuild):
+            rebuild(device)
+    load_checkpoint(model, folder)
+    return model.eval()
 
-    return {**qwen2_vl.VLM_ARCHITECTURES, **llava.VLM_ARCHITECTURES}
 
-
-def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.type == "cuda" or cpu_has_native_bf16():
-        return torch.bfloat16
-    return torch.float32
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
-    return torch.device(device)
+def _load_vision_model(
+    model_cls: type, config: ModelConfig, folder: Path, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
+    """Vision-language models hold Hugging Face vision-tower modules, which are filled from the
+    whole state dict (towers are small next to the decoder) by the model's own load_weights."""
+    with torch.device("meta"):
+        model = model_cls(config)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    model.load_weights(load_state_dict(folder))
+    model.rebuild_buffers(device)  # buffers made on meta: rotary tables, position ids
+    model = model.to(dtype).eval()
+    model.tie_weights()
+    return model
 
 
 def create_attention_backend(name: str, runner: ModelRunner) -> AttentionBackend:
@@ -81,26 +95,28 @@ class ModelRunner:
         self.context_length = context_length
         torch.manual_seed(args.random_seed)
 
-        model_cls = {**ARCHITECTURES, **vlm_architectures()}[config.architecture]
-        with torch.device("meta"):
-            model = model_cls(config)
-        model = model.to_empty(device=self.device)
-        model.tie_weights()  # to_empty gives each module its own copy of a shared parameter
-        model.load_weights(load_state_dict(folder))
-        # Buffers (the rotary cos/sin table) were created on meta: rebuild them for real.
-        if hasattr(model, "rebuild_buffers"):
-            model.rebuild_buffers(self.device)
-        else:
-            self._rebuild_rotary(model)
-        self.model = model.to(self.dtype).eval()
-        self.model.tie_weights()
-
         backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.attention_backend_name = backend
-        use_triton = backend == "triton"
-        for module in self.model.modules():
-            if hasattr(module, "use_triton"):
-                module.use_triton = use_triton
+        # Norm and rotary kernels follow the device, not the attention backend.
+        kernel = "triton" if self.device.type == "cuda" else "torch"
+        self.kernels = ModelKernels(
+            norm=args.norm_kernel or kernel,
+            rotary=args.rotary_kernel or kernel,
+            moe=args.moe_kernel or kernel,
+        )
+        self.model = load_model(config, folder, self.device, self.dtype, self.kernels)
+        if backend == "triton":
+            unsupported = [
+                i.layer_id
+                for i in getattr(self.model, "attention_layers", list)()
+                if i.sliding_window is not None or i.logit_softcap is not None
+            ]
+            if unsupported:
+                raise ValueError(
+                    f"{config.architecture} uses sliding-window or soft-capped attention in "
+                    f"layers {unsupported}, which the triton backend does not implement; "
+                    "use --attention-backend torch"
+                )
 
         self.max_total_tokens = self._pool_size()
         self.req_to_token_pool = ReqToTokenPool(
@@ -117,28 +133,40 @@ class ModelRunner:
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
         self.attn_backend = create_attention_backend(backend, self)
 
-    def _rebuild_rotary(self, model: torch.nn.Module) -> None:
-        from genserve.srt.layers.rotary_embedding import RotaryEmbedding
-
-        cfg = self.config
-        rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-        ).to(self.device)
-        for layer in model.layers:
-            layer.self_attn.rotary = rotary
-
     def kv_bytes_per_token(self) -> int:
         elt = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * self.config.num_hidden_layers * self.num_kv_heads * self.head_dim * elt
+
+    def activation_bytes(self) -> int:
+        """Upper estimate of one forward's transient memory: the widest per-token tensors of a
+        full prefill chunk (q/k/v, gate/up, residual stream) and the float32 logits."""
+        cfg = self.config
+        elt = torch.tensor([], dtype=self.dtype).element_size()
+        tokens = self.args.chunked_prefill_size + self.args.max_running_requests
+        qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        width = qkv + 3 * cfg.intermediate_size + 4 * cfg.hidden_size
+        logits = self.args.max_running_requests * cfg.vocab_size * 4 * 3
+        return tokens * width * elt + logits
 
     def _pool_size(self) -> int:
         if self.args.max_total_tokens is not None:
             return self.args.max_total_tokens
         if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
+            # Weights are already resident: what the static fraction of the GPU leaves after
+            # them (and after this forward's activations) is the KV pool.
+            free, total = torch.cuda.mem_get_info(self.device)
+            fraction = self.args.mem_fraction or CUDA_MEM_FRACTION
+            budget = free - total * (1 - fraction) - self.activation_bytes()
+            if budget <= 0:
+                raise ValueError(
+                    f"no GPU memory left for the KV pool: {free / 2**30:.1f} GiB free of "
+                    f"{total / 2**30:.1f} GiB after loading the weights, mem_fraction "
+                    f"{fraction}; raise --mem-fraction or use a smaller model"
+                )
         else:
-            free = psutil.virtual_memory().available
-        tokens = int(free * self.args.mem_fraction) // self.kv_bytes_per_token()
+            fraction = self.args.mem_fraction or CPU_MEM_FRACTION
+            budget = psutil.virtual_memory().available * fraction
+        tokens = int(budget) // self.kv_bytes_per_token()
         return max(256, min(tokens, _MAX_AUTO_TOKENS))
 
     def build_forward_batch(

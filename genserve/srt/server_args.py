@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 ATTENTION_BACKENDS = ("torch", "triton")
+KERNELS = ("torch", "triton")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 
@@ -19,8 +20,15 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "auto"  # "auto" = cuda when available, else cpu
     attention_backend: str | None = None  # None = triton on CUDA, torch on CPU
+    # RMSNorm / rotary kernels, chosen apart from the attention backend; None = by device.
+    norm_kernel: str | None = None
+    rotary_kernel: str | None = None
+    moe_kernel: str | None = None  # experts of MoE models
     max_total_tokens: int | None = None  # KV pool size in tokens; None = from mem_fraction
-    mem_fraction: float = 0.1  # share of free (GPU or host) memory given to the KV pool
+    # CPU: share of available host memory given to the KV pool (None = 0.1). CUDA: share of
+    # total GPU memory that weights + activations + KV pool may take (None = 0.85); the pool
+    # gets what remains after the weights.
+    mem_fraction: float | None = None
     schedule_policy: str = "fcfs"
     chunked_prefill_size: int = 2048  # prefill token budget per forward; longer prompts chunk
     max_running_requests: int = 64
@@ -52,7 +60,10 @@ class EngineArgs:
             )
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
-        if not 0 < self.mem_fraction <= 0.95:
+        for name in ("norm_kernel", "rotary_kernel", "moe_kernel"):
+            if getattr(self, name) not in (None, *KERNELS):
+                raise ValueError(f"{name} must be one of {KERNELS}, got {getattr(self, name)!r}")
+        if self.mem_fraction is not None and not 0 < self.mem_fraction <= 0.95:
             raise ValueError(f"mem_fraction must be in (0, 0.95], got {self.mem_fraction}")
         if self.chunked_prefill_size < 16:
             raise ValueError(f"chunked_prefill_size must be >= 16, got {self.chunked_prefill_size}")

@@ -1,5 +1,5 @@
 """End to end: a tiny 2-layer Llama generates the same greedy tokens with the triton attention
-backend (and the triton RMSNorm / rotary kernels) as with the torch backend.
+backend and the triton RMSNorm / rotary kernels (each chosen explicitly) as with torch.
 
 On CPU the kernels run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
 """
@@ -48,7 +48,12 @@ def _output_ids(result) -> list[list[int]]:
 def _generate_all(model_path: str, backend: str) -> tuple[list[list[list[int]]], int]:
     """Output ids of both calls, and how many prompt tokens the follow-up found cached."""
     engine = genserve.Engine(
-        model_path=model_path, dtype="float32", attention_backend=backend, max_total_tokens=2048
+        model_path=model_path,
+        dtype="float32",
+        attention_backend=backend,
+        norm_kernel=backend,
+        rotary_kernel=backend,
+        max_total_tokens=2048,
     )
     try:
         assert engine.runtime.model_info()["attention_backend"] == backend

@@ -1,4 +1,5 @@
-"""RMSNorm with the residual-stream fusion the Llama family uses."""
+"""RMSNorm with the residual-stream fusion the Llama family uses, and the variants other
+families need (Gemma's `1 + weight`, OLMo 2's weight multiply before the cast)."""
 
 from __future__ import annotations
 
@@ -7,26 +8,50 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    """`kernel="triton"` runs genserve.kernels.rmsnorm for the plain variant on 2-D inputs; the
+    Gemma / OLMo 2 variants always run in torch."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        kernel: str = "torch",
+        unit_offset: bool = False,
+        weight_before_cast: bool = False,
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        if kernel not in ("torch", "triton"):
+            raise ValueError(f"norm kernel must be torch or triton, got {kernel!r}")
+        # Gemma stores w and scales by (1 + w), so its weight starts at zero.
+        self.weight = nn.Parameter(
+            torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size)
+        )
         self.eps = eps
-        self.use_triton = False  # set by the model runner for the triton backend
+        self.kernel = kernel
+        self.unit_offset = unit_offset
+        # OLMo 2 multiplies by the weight in float32 and casts after; Llama casts first.
+        self.weight_before_cast = weight_before_cast
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [..., hidden]. With `residual`, returns (norm(x + residual), x + residual)."""
-        if self.use_triton and x.dim() == 2:
+        plain = not (self.unit_offset or self.weight_before_cast)
+        if self.kernel == "triton" and plain and x.dim() == 2:
             from genserve.kernels.rmsnorm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
-        # Normalise in fp32 like HF transformers, then cast back before the weight multiply.
+        # Normalise in fp32 like HF transformers.
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
+        if self.unit_offset:
+            out = (h * (1.0 + self.weight.float())).to(dtype)
+        elif self.weight_before_cast:
+            out = (self.weight * h).to(dtype)
+        else:
+            out = self.weight * h.to(dtype)
         return out if residual is None else (out, residual)

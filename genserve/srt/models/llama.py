@@ -1,7 +1,13 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k norm)
-reading and writing the paged KV pool through the attention backend."""
+"""Llama decoder (Llama 2/3.x, SmolLM2): the building blocks most families reuse, reading and
+writing the paged KV pool through the attention backend.
+
+Mistral, Qwen2 and Qwen3 are this model with a different default (`mistral.py`, `qwen2.py`,
+`qwen3.py`); Gemma, Phi-3, OLMo 2 and the MoE families reuse its attention block.
+"""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -12,13 +18,17 @@ from genserve.srt.layers.attention.base import AttentionLayerInfo
 from genserve.srt.layers.layernorm import RMSNorm
 from genserve.srt.layers.rotary_embedding import RotaryEmbedding
 from genserve.srt.model_config import ModelConfig
+from genserve.srt.models.base import CausalLM, Embedding, MergedLinear, ModelKernels
+
+_DEFAULT_KERNELS = ModelKernels()
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": inter, "up": inter})
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -26,26 +36,50 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    """q/k/v projection (optionally biased), optional per-head q/k RMSNorm (Qwen3, Gemma 3),
+    rotary embedding, paged attention and the output projection."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        *,
+        kernels: ModelKernels = _DEFAULT_KERNELS,
+        qkv_bias: bool | None = None,
+        qk_norm: bool | None = None,
+        norm_unit_offset: bool = False,
+        scaling: float | None = None,
+        logit_softcap: float | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        bias = cfg.attention_bias if qkv_bias is None else qkv_bias
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=bias
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        use_qk_norm = cfg.qk_norm if qk_norm is None else qk_norm
+        norm = (
+            (lambda: RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels.norm, norm_unit_offset))
+            if use_qk_norm
+            else None
+        )
+        self.q_norm = norm() if norm else None
+        self.k_norm = norm() if norm else None
         self.rotary = rotary
         self.info = AttentionLayerInfo(
             layer_id=layer_id,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            scaling=self.head_dim**-0.5,
+            scaling=self.head_dim**-0.5 if scaling is None else scaling,
+            sliding_window=cfg.layer_window(layer_id),
+            logit_softcap=logit_softcap,
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -63,12 +97,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        *,
+        kernels: ModelKernels = _DEFAULT_KERNELS,
+        qkv_bias: bool | None = None,
+        qk_norm: bool | None = None,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
+        self.self_attn = LlamaAttention(
+            cfg, layer_id, rotary, kernels=kernels, qkv_bias=qkv_bias, qk_norm=qk_norm
+        )
         self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.norm)
 
     def forward(
         self,
@@ -87,29 +132,48 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+class LlamaForCausalLM(CausalLM):
+    # Family defaults the subclasses change (None = what config.json says).
+    qkv_bias: ClassVar[bool | None] = None
+    qk_norm: ClassVar[bool | None] = None
+
+    def __init__(self, cfg: ModelConfig, kernels: ModelKernels = _DEFAULT_KERNELS) -> None:
         super().__init__()
         self.config = cfg
+        self.kernels = kernels
         rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+            cfg.head_dim,
+            cfg.max_position_embeddings,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            kernel=kernels.rotary,
+            rotary_dim=cfg.rotary_dim,
         )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers)
+            self.make_layer(i, rotary) for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.norm)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+    def make_layer(self, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
+        return LlamaDecoderLayer(
+            self.config,
+            layer_id,
+            rotary,
+            kernels=self.kernels,
+            qkv_bias=self.qkv_bias,
+            qk_norm=self.qk_norm,
+        )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)  # [tokens, hidden]
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Returns float32 logits [batch, vocab] of the last new token of each request."""
-        hidden = self.embed_tokens(fb.input_ids)  # [tokens, hidden]
+        hidden = self.embed(fb.input_ids)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(fb.positions, hidden, residual, fb)
@@ -118,66 +182,3 @@ class LlamaForCausalLM(nn.Module):
         residual = residual.index_select(0, fb.logits_indices)  # type: ignore[union-attr]
         hidden, _ = self.norm(hidden, residual)
         return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load HF-named tensors, fusing q/k/v and gate/up projections."""
-        params = dict(self.named_parameters())
-        fused: dict[str, dict[str, torch.Tensor]] = {}
-        loaded: set[str] = set()
-        for name, tensor in weights.items():
-            if "rotary_emb.inv_freq" in name:
-                continue
-            name = name.removeprefix("model.")
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            for part, target in (
-                ("q_proj", "qkv_proj"),
-                ("k_proj", "qkv_proj"),
-                ("v_proj", "qkv_proj"),
-                ("gate_proj", "gate_up_proj"),
-                ("up_proj", "gate_up_proj"),
-            ):
-                if f".{part}." in name:
-                    fused_name = name.replace(f".{part}.", f".{target}.")
-                    fused.setdefault(fused_name, {})[part] = tensor
-                    break
-            else:
-                self._copy(params, name, tensor, loaded)
-        order = {
-            "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-            "gate_up_proj": ("gate_proj", "up_proj"),
-        }
-        for name, parts in fused.items():
-            kind = "qkv_proj" if ".qkv_proj." in name else "gate_up_proj"
-            missing = [p for p in order[kind] if p not in parts]
-            if missing:
-                raise ValueError(f"checkpoint is missing {missing} for {name}")
-            self._copy(params, name, torch.cat([parts[p] for p in order[kind]], 0), loaded)
-        expected = set(params)
-        if self.config.tie_word_embeddings:
-            expected.discard("lm_head.weight")
-        missing_params = sorted(expected - loaded)
-        if missing_params:
-            raise ValueError(f"checkpoint is missing weights: {missing_params[:8]}")
-
-    @staticmethod
-    def _copy(params: dict, name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
-        if name not in params:
-            raise ValueError(f"unexpected weight {name!r} in checkpoint")
-        param = params[name]
-        if param.shape != tensor.shape:
-            raise ValueError(
-                f"weight {name}: checkpoint shape {tuple(tensor.shape)} "
-                f"!= model {tuple(param.shape)}"
-            )
-        with torch.no_grad():
-            param.copy_(tensor.to(param.dtype))
-        loaded.add(name)
-
-
-ARCHITECTURES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-}

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from genserve.srt.forward_batch import ForwardBatch
-from genserve.srt.layers.rotary_embedding import RotaryEmbedding
 from genserve.srt.model_config import ModelConfig
 from genserve.srt.models.qwen2_vl import ImageSplicingLM, rebuild_hf_buffers
 
@@ -43,12 +42,10 @@ class LlavaForConditionalGeneration(nn.Module):
         self.language_model.tie_weights()
 
     def rebuild_buffers(self, device: torch.device) -> None:
-        cfg = self.config
-        with torch.device(device):
-            rotary = RotaryEmbedding(
-                cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-            )
-        self.language_model.set_rotary(rotary)
+        for module in self.language_model.modules():  # the decoder's rotary tables
+            rebuild = getattr(module, "rebuild", None)
+            if callable(rebuild):
+                rebuild(device)
         rebuild_hf_buffers(self.vision_tower, device)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -67,7 +64,7 @@ class LlavaForConditionalGeneration(nn.Module):
                 if not name.startswith(("model.", "lm_head.")):
                     name = "model." + name
                 parts["text"][name] = tensor
-        self.language_model.load_weights(parts["text"])
+        self.language_model.load_weights(parts["text"].items())
         self.multi_modal_projector.load_state_dict(parts["proj"])
         vision = parts["vision"]
         wants_prefix = any(k.startswith("vision_model.") for k in self.vision_tower.state_dict())

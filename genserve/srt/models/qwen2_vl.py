@@ -153,7 +153,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
                     break
             else:
                 text[name.replace("model.language_model.", "model.", 1)] = tensor
-        self.language_model.load_weights(text)
+        self.language_model.load_weights(text.items())
         missing, unexpected = self.visual.load_state_dict(vision, strict=False)
         if missing or unexpected:
             raise ValueError(

@@ -201,14 +201,17 @@ class SamplingParams:
         return None
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        """Build from a request's `sampling_params` dict; None or a null value means default."""
+    def from_dict(
+        cls, d: dict[str, Any] | None, defaults: dict[str, Any] | None = None
+    ) -> SamplingParams:
+        """Build from a request's `sampling_params` dict; None or a null value means default:
+        the model's own (`defaults`, from its generation_config.json) where it has one."""
         if d is None:
-            return cls()
+            d = {}
         if not isinstance(d, dict):
             raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {k: v for k, v in (defaults or {}).items() if k in known}
         for key, value in d.items():
             if key not in known:
                 raise ValueError(f"unknown sampling parameter '{key}'")

@@ -17,6 +17,10 @@ class AttentionLayerInfo:
     num_kv_heads: int
     head_dim: int
     scaling: float  # softmax scale, usually head_dim ** -0.5
+    # A token at position p sees keys at positions (p - sliding_window, p]; None = all of them.
+    sliding_window: int | None = None
+    # Gemma 2: scores become cap * tanh(scores / cap) before the softmax.
+    logit_softcap: float | None = None
 
 
 class AttentionBackend(ABC):

@@ -10,6 +10,10 @@ Cascade runs for a float32 KV pool only. Its math is float32 (the log-sum-exp me
 was 1.9x faster than padded SDPA (16 requests in 2 groups sharing 512 tokens, 4.2 vs 7.9 ms a
 layer); with bfloat16 K/V, SDPA's own bf16 kernel was faster than cascade (4.0 vs 4.6 ms; 20 vs
 23 ms for 64 requests in 8 groups), so bf16 batches always take the padded path.
+
+Layers with a sliding window or attention-logit soft-capping (Mistral, Gemma 2/3) take the
+padded path with an explicit mask; soft-capping computes the scores itself since SDPA cannot
+cap them.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ class TorchAttnBackend(AttentionBackend):
         self._plain_rows: torch.Tensor | None = None  # decode rows not in a cascade group
         self._groups: list[_CascadeGroup] = []
         self._extend_slots: list[torch.Tensor] = []  # per request: [seq_len] KV slots
+        # Every decode row, for layers that cannot use the cascade plan (window, soft-cap).
+        self._full_index: torch.Tensor | None = None  # [batch, max_len]
+        self._full_valid: torch.Tensor | None = None  # [batch, max_len] bool
+        self._seq_lens: torch.Tensor | None = None  # [batch]
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         req_to_token = fb.req_to_token_pool.req_to_token
@@ -50,6 +58,7 @@ class TorchAttnBackend(AttentionBackend):
             arange = torch.arange(max_len, device=rows.device)
             valid = arange.unsqueeze(0) < fb.seq_lens.unsqueeze(1)  # [batch, max_len]
             index = torch.where(valid, rows, torch.zeros_like(rows))
+            self._full_index, self._full_valid, self._seq_lens = index, valid, fb.seq_lens
             if fb.token_to_kv_pool.dtype == torch.float32:
                 self._plan_cascade(index, valid, fb.seq_lens_cpu)
             else:
@@ -126,6 +135,9 @@ class TorchAttnBackend(AttentionBackend):
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         gqa = layer.num_heads != layer.num_kv_heads
+        special = layer.sliding_window is not None or layer.logit_softcap is not None
+        if fb.mode is ForwardMode.DECODE and special:
+            return self._decode_masked(q, k_buf, v_buf, layer)
         if fb.mode is ForwardMode.DECODE:
             if not self._groups:
                 return self._decode_padded(q, k_buf, v_buf, layer, gqa)
@@ -145,28 +157,56 @@ class TorchAttnBackend(AttentionBackend):
             end = start + n_new
             slots = self._extend_slots[i]
             q_i = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, new, head_dim]
+            prefix = fb.extend_prefix_lens_cpu[i]
             if slots is None:  # no cached prefix: the new tokens are the whole sequence
                 keys, values = k[start:end], v[start:end]
-                mask, causal = None, True
             else:
                 keys, values = k_buf.index_select(0, slots), v_buf.index_select(0, slots)
-                prefix = fb.extend_prefix_lens_cpu[i]
-                # [new, seq_len]: token e (at position prefix + e) sees keys [0, prefix + e].
+            if slots is None and not special:
+                mask, causal = None, True
+            else:
+                # [new, seq_len]: token e (at position prefix + e) sees keys [0, prefix + e],
+                # or (prefix + e - window, prefix + e] in a sliding-window layer.
                 cols = torch.arange(keys.shape[0], device=q.device)
                 rows = torch.arange(n_new, device=q.device) + prefix
                 mask, causal = cols[None, :] <= rows[:, None], False
-            o = F.scaled_dot_product_attention(
+                if layer.sliding_window is not None:
+                    mask &= cols[None, :] > rows[:, None] - layer.sliding_window
+            o = _attend(
                 q_i,
                 keys.transpose(0, 1).unsqueeze(0),
                 values.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask,
-                is_causal=causal,
-                scale=layer.scaling,
-                enable_gqa=gqa,
+                mask,
+                causal,
+                layer,
             )
             out[start:end] = o.squeeze(0).transpose(0, 1)
             start = end
         return out
+
+    def _decode_masked(
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer
+    ) -> torch.Tensor:
+        index, valid = self._full_index, self._full_valid
+        assert index is not None and valid is not None and self._seq_lens is not None
+        batch, max_len = index.shape
+        mask = valid
+        if layer.sliding_window is not None:
+            # The new token sits at position seq_len - 1.
+            cols = torch.arange(max_len, device=index.device)
+            mask = mask & (cols[None, :] >= self._seq_lens[:, None] - layer.sliding_window)
+        flat = index.reshape(-1)
+        keys = k_buf.index_select(0, flat).view(batch, max_len, -1, layer.head_dim)
+        values = v_buf.index_select(0, flat).view(batch, max_len, -1, layer.head_dim)
+        out = _attend(
+            q.unsqueeze(2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            mask[:, None, None, :],
+            False,
+            layer,
+        )
+        return out.squeeze(2)
 
     def _decode_padded(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer, gqa: bool
@@ -222,3 +262,31 @@ class TorchAttnBackend(AttentionBackend):
         w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
         o = (o1 * w1 + o2 * w2) / (w1 + w2)
         return o.reshape(g, layer.num_heads, d).to(q.dtype)
+
+
+def _attend(
+    q: torch.Tensor,  # [B, heads, Lq, head_dim]
+    k: torch.Tensor,  # [B, kv_heads, Lk, head_dim]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # bool, broadcastable to [B, heads, Lq, Lk]
+    causal: bool,
+    layer: AttentionLayerInfo,
+) -> torch.Tensor:
+    gqa = layer.num_heads != layer.num_kv_heads
+    if layer.logit_softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=layer.scaling, enable_gqa=gqa
+        )
+    if gqa:
+        rep = layer.num_heads // layer.num_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * layer.scaling
+    cap = layer.logit_softcap
+    scores = torch.tanh(scores / cap) * cap
+    if causal:
+        lq, lk = scores.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)

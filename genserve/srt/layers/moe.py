@@ -1,0 +1,86 @@
+"""Mixture-of-experts MLP: top-k routing and grouped expert computation.
+
+Experts are stored stacked: `w13` [experts, 2 * inter, hidden] (gate rows, then up rows) and
+`w2` [experts, hidden, inter], each checkpoint tensor loaded into its slice. The torch path
+gathers each expert's tokens and runs them as one matmul per expert (the CPU path and the
+reference); `kernel="triton"` runs `genserve.kernels.fused_moe` over all experts at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits: [tokens, experts]. Returns (weights [tokens, k] float32, ids [tokens, k])."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_experts_ref(
+    x: torch.Tensor,  # [tokens, hidden]
+    w13: torch.Tensor,  # [experts, 2 * inter, hidden]
+    w2: torch.Tensor,  # [experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [tokens, k]
+    topk_ids: torch.Tensor,  # [tokens, k]
+) -> torch.Tensor:
+    """sum_k weight_k * down(silu(gate(x)) * up(x)) of expert ids_k, expert by expert."""
+    out = torch.zeros_like(x)
+    weights = topk_weights.to(x.dtype)
+    # [experts, k, tokens]: which (token, slot) pairs each expert serves.
+    hits = F.one_hot(topk_ids, w13.shape[0]).permute(2, 1, 0)
+    for e in torch.nonzero(hits.sum(dim=(1, 2))).flatten().tolist():
+        slot, token = torch.where(hits[e])
+        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[e]) * weights[token, slot, None]
+        out.index_add_(0, token, h)
+    return out
+
+
+class FusedMoE(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        kernel: str = "torch",
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
+        if kernel not in ("torch", "triton"):
+            raise ValueError(f"moe kernel must be torch or triton, got {kernel!r}")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.inter = intermediate_size
+        self.kernel = kernel
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def shard_ids(self, param_name: str) -> list[Any]:
+        parts = ("gate", "up") if param_name == "w13" else ("down",)
+        return [(e, p) for e in range(self.num_experts) for p in parts]
+
+    def shard_view(self, param: torch.Tensor, shard: tuple[int, str]) -> torch.Tensor:
+        expert, part = shard
+        if part == "down":
+            return param[expert]
+        return param[expert].narrow(0, 0 if part == "gate" else self.inter, self.inter)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if self.kernel == "triton":
+            from genserve.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, self.w13, self.w2, weights, ids)
+        return grouped_experts_ref(x, self.w13, self.w2, weights, ids)

@@ -1,0 +1,190 @@
+"""What the model runner needs from a model family: a small base class.
+
+A family is an `nn.Module` subclass of `CausalLM` that
+- builds its layers from a `ModelConfig` and an explicit `ModelKernels` choice (which norm and
+  rotary kernels to run: chosen by the runner from the device, never flipped afterwards);
+- maps Hugging Face weight names onto its parameters (`stacked_params` fuses q/k/v and gate/up
+  projections into one matmul; each shard is written straight into its slice of the fused
+  weight, so loading never builds a concatenated copy);
+- runs `forward(ForwardBatch)` and returns float32 logits of each request's last new token.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from genserve.srt.forward_batch import ForwardBatch
+from genserve.srt.layers.attention.base import AttentionLayerInfo
+from genserve.srt.model_config import ModelConfig
+
+KERNELS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class ModelKernels:
+    """Which implementation runs the RMSNorm, the rotary embedding and the MoE experts (the
+    attention kernel is the attention backend's business)."""
+
+    norm: str = "torch"
+    rotary: str = "torch"
+    moe: str = "torch"
+
+    def __post_init__(self) -> None:
+        for field in ("norm", "rotary", "moe"):
+            if getattr(self, field) not in KERNELS:
+                value = getattr(self, field)
+                raise ValueError(f"{field} kernel must be one of {KERNELS}, got {value!r}")
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding that does not initialise weights built on the meta device: the checkpoint
+    overwrites them, and a random init of a meta tensor would import torch's whole meta-kernel
+    library (~150 MB resident) just to do nothing."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
+class MergedLinear(nn.Linear):
+    """A linear layer whose output rows are several checkpoint tensors stacked along dim 0
+    (q/k/v -> qkv_proj, gate/up -> gate_up_proj), loaded shard by shard."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for shard, size in shard_sizes.items():
+            self.shard_offsets[shard] = (offset, size)
+            offset += size
+
+    def shard_ids(self, param_name: str = "weight") -> list[Any]:
+        return list(self.shard_offsets)
+
+    def shard_view(self, param: torch.Tensor, shard: Any) -> torch.Tensor:
+        offset, size = self.shard_offsets[shard]
+        return param.narrow(0, offset, size)
+
+
+class CausalLM(nn.Module, ABC):
+    """Base class of every registered family."""
+
+    # (HF module-name part, fused module-name part, shard id): a weight whose name contains
+    # the first is one shard of the parameter named with the second.
+    stacked_params: ClassVar[tuple[tuple[str, str, Any], ...]] = (
+        (".q_proj.", ".qkv_proj.", "q"),
+        (".k_proj.", ".qkv_proj.", "k"),
+        (".v_proj.", ".qkv_proj.", "v"),
+        (".gate_proj.", ".gate_up_proj.", "gate"),
+        (".up_proj.", ".gate_up_proj.", "up"),
+    )
+    # Checkpoint tensors that are not parameters (recomputed buffers).
+    ignored_weights: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+
+    config: ModelConfig
+
+    @abstractmethod
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Float32 logits [batch, vocab] of the last new token of each request."""
+
+    def tie_weights(self) -> None:
+        """Share the input embedding with lm_head when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # type: ignore[attr-defined]
+
+    def attention_layers(self) -> list[AttentionLayerInfo]:
+        """What each attention layer asks of the backend (window, soft-cap, sizes)."""
+        infos = (getattr(m, "info", None) for m in self.modules())
+        return [i for i in infos if isinstance(i, AttentionLayerInfo)]
+
+    def map_weight_name(self, hf_name: str) -> tuple[str, Any] | None:
+        """(parameter name, shard id or None) for a checkpoint tensor; None skips it."""
+        if any(part in hf_name for part in self.ignored_weights):
+            return None
+        name = hf_name.removeprefix("model.")
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        for part, fused, shard in self.stacked_params:
+            if part in name:
+                return name.replace(part, fused), shard
+        return name, None
+
+    def weight_loader(self) -> WeightLoader:
+        return WeightLoader(self)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the parameters (in their dtype and device)."""
+        loader = self.weight_loader()
+        for name, tensor in weights:
+            dst = loader.destination(name, tuple(tensor.shape))
+            if dst is not None:
+                with torch.no_grad():
+                    dst.copy_(tensor)
+        loader.finish()
+
+
+class WeightLoader:
+    """Resolves checkpoint names to parameter views and checks that every one was written."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.modules = dict(model.named_modules())
+        self.loaded: set[tuple[str, Any]] = set()
+
+    def destination(self, hf_name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The tensor (a parameter or a view of one) that `hf_name` is copied into."""
+        mapped = self.model.map_weight_name(hf_name)
+        if mapped is None:
+            return None
+        name, shard = mapped
+        param = self.params.get(name)
+        if param is None:
+            raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+        dst = param.data
+        if shard is not None:
+            owner = self.modules[name.rsplit(".", 1)[0]]
+            dst = owner.shard_view(dst, shard)  # type: ignore[operator]
+        if tuple(dst.shape) != tuple(shape):
+            raise ValueError(
+                f"weight {hf_name}: checkpoint shape {tuple(shape)} != model {tuple(dst.shape)}"
+            )
+        keys = [(name, shard)]
+        owner = self.modules.get(name.rsplit(".", 1)[0]) if "." in name else None
+        if shard is None and hasattr(owner, "shard_ids"):
+            # A checkpoint that already stores the fused tensor (Phi-3's qkv_proj) fills every
+            # shard at once.
+            leaf = name.rsplit(".", 1)[1]
+            keys = [(name, s) for s in owner.shard_ids(leaf)]  # type: ignore[union-attr]
+        if any(k in self.loaded for k in keys):
+            raise ValueError(f"weight {hf_name!r} appears twice in the checkpoint")
+        self.loaded.update(keys)
+        return dst
+
+    def expected(self) -> set[tuple[str, Any]]:
+        keys: set[tuple[str, Any]] = set()
+        seen: set[int] = set()
+        for name, param in self.model.named_parameters():  # tied parameters are listed once
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            owner = self.modules[name.rsplit(".", 1)[0]] if "." in name else self.model
+            shard_ids = getattr(owner, "shard_ids", None)
+            if shard_ids is None:
+                keys.add((name, None))
+            else:
+                keys.update((name, s) for s in shard_ids(name.rsplit(".", 1)[-1]))
+        return keys
+
+    def finish(self) -> None:
+        # named_parameters lists a tied lm_head once, as embed_tokens.weight.
+        missing = self.expected() - self.loaded
+        if missing:
+            names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
+            raise ValueError(f"checkpoint is missing weights: {names[:8]}")
