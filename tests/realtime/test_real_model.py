@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import websockets
+from playwright import sync_api
 
 from genserve.demo_models import world
 from genserve.demo_models.scorer import score_video
@@ -116,7 +117,6 @@ _SAMPLER = """
 
 
 def test_web_ui_plays_the_demo_video_model(real_server):
-    sync_api = pytest.importorskip("playwright.sync_api")
     base, _ = real_server
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_api.sync_playwright() as pw:
