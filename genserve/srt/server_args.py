@@ -26,7 +26,6 @@ class EngineArgs:
     context_length: int | None = None  # None = the model's max_position_embeddings
     disable_radix_cache: bool = False
     page_size: int = 1
-    max_queued_requests: int | None = None  # None = unbounded waiting queue
     random_seed: int = 0
     num_threads: int = 0  # torch threads in the scheduler process; 0 = torch default
 
@@ -54,7 +53,5 @@ class EngineArgs:
             raise ValueError(f"context_length must be >= 8, got {self.context_length}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.max_queued_requests is not None and self.max_queued_requests < 1:
-            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
