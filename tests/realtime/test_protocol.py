@@ -207,7 +207,9 @@ def test_disconnect_cancels_the_generation():
             time.sleep(0.02)
         assert not fake.running and serving.active_sessions == 0
         serving.check_integrity()
-    assert fake.requests[0].request_id in fake.cancelled
+    # It had started (the client saw a step) and was cancelled, not run out.
+    rid = fake.requests[0].request_id
+    assert rid in fake.cancelled and 1 <= fake.steps_run[rid] < 60, fake.steps_run
 
 
 async def _over_the_limit(base: str, serving) -> tuple[dict, int | None, dict]:
@@ -302,8 +304,12 @@ async def _out_of_turn(base: str) -> list[dict]:
 
 
 def test_messages_out_of_turn_get_errors_without_ending_the_session():
-    with realtime_server(FakeDiffusionClient(step_delay_s=0.05)) as (base, serving):
+    fake = FakeDiffusionClient(step_delay_s=0.05)
+    with realtime_server(fake) as (base, serving):
         replies = asyncio.run(_out_of_turn(base))
         serving.check_integrity()
     assert [r.get("code") for r in replies[:3]] == ["invalid_message", "not_running", "busy"]
     assert replies[3]["stopped"] is True
+    # The stop ended a generation the engine had really been given (and the busy start never
+    # reached it).
+    assert len(fake.requests) == 1 and fake.requests[0].request_id in fake.cancelled
