@@ -10,7 +10,8 @@
   gather from the pool (what a torch backend pays).
 - Extend attention (default: a 4096-token prompt, no prefix, and 1024 new tokens after a
   3072-token cached prefix): TFLOP/s (causal FLOPs only) vs torch SDPA over the gathered KV.
-Every kernel result is checked against SDPA before it is timed.
+Every kernel result is checked against SDPA before it is timed; a case whose max |error|
+exceeds ERROR_LIMITS fails the run (exit status 1), after the table is printed.
 """
 
 from __future__ import annotations
@@ -68,6 +69,19 @@ def timed_ms(fn, on_gpu: bool) -> float:
     start = time.perf_counter()
     fn()
     return (time.perf_counter() - start) * 1e3
+
+
+# Max |triton - SDPA| allowed per dtype (unit-normal q/k/v; outputs are averages of values).
+ERROR_LIMITS = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 6e-2}
+
+
+def failed_cases(result: dict) -> list[str]:
+    """The cases whose output differs from SDPA by more than the dtype's limit."""
+    limit = ERROR_LIMITS[result["dtype"]]
+    cases = [("decode", result["decode"])] + [
+        (f"extend prefix={e['shape']['prefix']}", e) for e in result["extend"]]
+    return [f"{name}: max |err| vs SDPA {case['max_abs_error_vs_sdpa']:.2e} > {limit:.0e}"
+            for name, case in cases if not case["max_abs_error_vs_sdpa"] <= limit]
 
 
 def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -246,11 +260,14 @@ def main(argv: list[str] | None = None) -> int:
         "decode": bench_decode(args, device, dtype, on_gpu),
         "extend": [bench_extend(args, device, dtype, on_gpu, p) for p in prefixes],
     }
+    result["failed"] = failed_cases(result)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print_table(result)
-    return 0
+    for failure in result["failed"]:
+        print(f"bench_kernels: FAILED {failure}", file=sys.stderr)
+    return 1 if result["failed"] else 0
 
 
 if __name__ == "__main__":

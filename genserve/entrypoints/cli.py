@@ -27,7 +27,8 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule-policy", default="fcfs", choices=("fcfs", "lpm", "dfs-weight"))
     g.add_argument("--max-running-requests", type=int, default=64)
     g.add_argument("--max-queued-requests", type=int, default=None,
-                   help="Waiting-queue limit; more requests get 503 at once.")
+                   help="LLM waiting-queue limit (on top of --max-running-requests); "
+                        "more requests get 503 at once.")
     g.add_argument("--context-length", type=int, default=None)
     g.add_argument("--mem-fraction", type=float, default=None,
                    help="Share of free memory given to the KV pool.")

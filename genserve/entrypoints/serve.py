@@ -37,7 +37,6 @@ def engine_args_from(args: argparse.Namespace, model_path: str | None) -> Any:
         "model_path": model_path, "device": args.device,
         "schedule_policy": args.schedule_policy,
         "max_running_requests": args.max_running_requests,
-        "max_queued_requests": args.max_queued_requests,
         "context_length": args.context_length, "max_total_tokens": args.max_total_tokens,
         "disable_radix_cache": args.disable_radix_cache,
         "attention_backend": args.attention_backend,
@@ -52,7 +51,8 @@ def engine_args_from(args: argparse.Namespace, model_path: str | None) -> Any:
 
 
 def gateway_config_from(args: argparse.Namespace) -> GatewayConfig:
-    # The gateway holds running + waiting requests; the engine enforces its waiting queue.
+    # The waiting-queue limit is enforced at admission in the gateway, which counts every LLM
+    # request it holds (running + waiting): past that a request gets 503 at once.
     limit = None
     if args.max_queued_requests is not None:
         limit = args.max_queued_requests + args.max_running_requests

@@ -21,6 +21,11 @@ from genserve.kernels._checks import (
 )
 
 
+def elements_per_program(device: torch.device) -> int:
+    """Elements one program copies. GPU: ~4k; interpreter: as few programs as possible."""
+    return 4096 if device.type == "cuda" else 1 << 16
+
+
 @triton.jit
 def _copy_rows(
     Src,
@@ -156,9 +161,7 @@ def store_kv(
         return
     block_h = next_pow2(num_heads)
     per_token = block_h * next_pow2(max(head_dim, head_dim_v))
-    # GPU: ~4k elements per program; interpreter: as few programs as possible.
-    budget = 4096 if device.type == "cuda" else 1 << 16
-    block_t = min(next_pow2(num_tokens), prev_pow2(budget // per_token))
+    block_t = min(next_pow2(num_tokens), prev_pow2(elements_per_program(device) // per_token))
     _kv_store_kernel[(triton.cdiv(num_tokens, block_t),)](
         k,
         v,

@@ -23,6 +23,12 @@ from genserve.kernels._checks import (
 MAX_HIDDEN = 1 << 16  # one program holds a whole row in registers
 
 
+def elements_per_program(device: torch.device) -> int:
+    """Elements one program normalizes. GPU: a few rows for small hidden sizes; interpreter:
+    big blocks (its cost is per operation)."""
+    return 4096 if device.type == "cuda" else 1 << 16
+
+
 @triton.jit
 def _rms_norm_kernel(
     X,
@@ -87,9 +93,7 @@ def rms_norm(
     new_residual = torch.empty_like(out) if residual is not None else out
     if num_rows > 0:
         block_h = next_pow2(hidden)
-        # GPU: a few rows per program for small hidden sizes; interpreter: big blocks.
-        budget = 4096 if device.type == "cuda" else 1 << 16
-        block_t = min(next_pow2(num_rows), prev_pow2(budget // block_h))
+        block_t = min(next_pow2(num_rows), prev_pow2(elements_per_program(device) // block_h))
         res = residual if residual is not None else x
         _rms_norm_kernel[(triton.cdiv(num_rows, block_t),)](
             x,

@@ -24,6 +24,11 @@ from genserve.kernels._checks import (
 )
 
 
+def elements_per_program(device: torch.device) -> int:
+    """Elements (q and k halves) one program rotates. GPU: 2k; interpreter: big blocks."""
+    return 2048 if device.type == "cuda" else 1 << 16
+
+
 @triton.jit
 def _rotate_heads(
     Src,
@@ -167,8 +172,7 @@ def apply_rotary(
     half = rot_dim // 2
     block_half = next_pow2(half)
     per_token = (next_pow2(num_q_heads) + next_pow2(num_k_heads)) * block_half
-    budget = 2048 if device.type == "cuda" else 1 << 16
-    block_t = min(next_pow2(num_tokens), prev_pow2(budget // per_token))
+    block_t = min(next_pow2(num_tokens), prev_pow2(elements_per_program(device) // per_token))
     _rotary_kernel[(triton.cdiv(num_tokens, block_t),)](
         q,
         k,

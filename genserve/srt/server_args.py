@@ -35,7 +35,6 @@ class EngineArgs:
     context_length: int | None = None  # None = the model's max_position_embeddings
     disable_radix_cache: bool = False
     page_size: int = 1
-    max_queued_requests: int | None = None  # None = unbounded waiting queue
     random_seed: int = 0
     num_threads: int = 0  # torch threads in the scheduler process; 0 = torch default
     grammar_backend: str = "xgrammar"  # json_schema / regex / ebnf; "none" refuses them
@@ -73,8 +72,6 @@ class EngineArgs:
             raise ValueError(f"context_length must be >= 8, got {self.context_length}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.max_queued_requests is not None and self.max_queued_requests < 1:
-            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.grammar_backend not in GRAMMAR_BACKENDS:
             raise ValueError(
                 f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}"

@@ -55,18 +55,31 @@ def test_a_request_without_progress_gets_only_its_result(diffusion_client):
     assert np.array_equal(with_preview[-1].outputs[0], quiet[-1].outputs[0])
 
 
-def test_concurrent_requests_batch_and_match_alone(diffusion_client):
+def test_queued_requests_batch_and_match_alone(diffusion_client):
+    """Requests that queue behind a running one run as one batch, with their pixels alone.
+
+    Which requests share a call is set by the queue, not by timing: a long request of another
+    shape holds the worker while the three are submitted, and is then cancelled; the cancel
+    reaches the worker after the three (one pipe, in order), so all three are queued when the
+    worker picks its next batch."""
     async def main():
         alone = [await collect(diffusion_client, image_req(f"alone{i}", 10 + i, f"p{i} cat"))
                  for i in range(3)]
-        together = await asyncio.gather(*[
-            collect(diffusion_client, image_req(f"tog{i}", 10 + i, f"p{i} cat"))
-            for i in range(3)])
-        return alone, together
+        blocker = diffusion_client.stream(image_req("blocker", 1, num_inference_steps=100,
+                                                    width=48, height=48))
+        assert isinstance(await blocker.__anext__(), StepEvent)  # the worker is busy
+        together = [asyncio.create_task(collect(
+            diffusion_client, image_req(f"tog{i}", 10 + i, f"p{i} cat"))) for i in range(3)]
+        while diffusion_client.queue_depth() < 4:  # each task has put its request in the pipe
+            await asyncio.sleep(0)
+        assert await diffusion_client.cancel("blocker")
+        blocked = [event async for event in blocker]
+        return alone, [await task for task in together], blocked
 
-    alone, together = asyncio.run(main())
+    alone, together, blocked = asyncio.run(main())
+    assert isinstance(blocked[-1], ErrorEvent) and blocked[-1].status == 499
     assert all(events[-1].batch_size == 1 for events in alone)
-    assert max(events[-1].batch_size for events in together) > 1  # they shared a call
+    assert [events[-1].batch_size for events in together] == [3, 3, 3]  # one shared call
     for a, t in zip(alone, together, strict=True):
         assert np.array_equal(a[-1].outputs[0], t[-1].outputs[0])
 
@@ -122,7 +135,8 @@ def test_cancel_stops_at_next_step_and_frees_the_slot(diffusion_client):
 
     events, after = asyncio.run(main())
     assert isinstance(events[-1], ErrorEvent) and events[-1].status == 499
-    assert len(events) < 10  # stopped within a step or two, not after 60
+    steps = [e.step for e in events[:-1]]
+    assert steps == list(range(1, len(steps) + 1)) and 2 <= len(steps) < 60  # stopped early
     assert isinstance(after[-1], ResultEvent)
     assert not asyncio.run(diffusion_client.cancel("long"))  # finished: unknown now
 

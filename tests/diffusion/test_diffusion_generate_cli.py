@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-import pytest
 from PIL import Image
 
-pytest.importorskip("diffusers")
-
-from genserve.multimodal_gen.encoding import probe_mp4  # noqa: E402
-from genserve.multimodal_gen.generate_cli import add_arguments, run  # noqa: E402
+from genserve.multimodal_gen.encoding import probe_mp4
+from genserve.multimodal_gen.generate_cli import add_arguments, run
 
 
 def parse(*argv):

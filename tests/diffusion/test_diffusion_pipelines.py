@@ -8,12 +8,10 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("diffusers")
-
-from genserve.multimodal_gen.messages import ResolvedRequest, StepCacheConfig  # noqa: E402
-from genserve.multimodal_gen.pipelines import load_model  # noqa: E402
+from genserve.multimodal_gen.messages import ResolvedRequest, StepCacheConfig
+from genserve.multimodal_gen.pipelines import load_model
 
 NO_CACHE = StepCacheConfig()
 

