@@ -7,16 +7,11 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
-import contextlib
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from tests.serve_process import serve_process
 from tests.srt.vlm_models import hf_reference, make_tiny_llava, make_tiny_qwen2_vl, png_bytes
 
 pytestmark = pytest.mark.slow
@@ -24,12 +19,6 @@ pytestmark = pytest.mark.slow
 IMG_A = png_bytes(56, 56, 1)
 IMG_B = png_bytes(112, 84, 2)
 IMG_C = png_bytes(84, 140, 3)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def data_url(data: bytes) -> str:
@@ -41,30 +30,9 @@ def vlm_folder(tmp_path_factory):
     return make_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))
 
 
-@contextlib.contextmanager
-def serve(folder, *flags: str) -> Iterator[str]:
+def serve(folder, *flags: str):
     """`genserve serve --model-path folder` in a subprocess; yields its URL."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-diffusion",
-         "--model-path", str(folder), "--port", str(port), "--dtype", "float32",
-         "--max-total-tokens", "4096", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    try:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    return serve_process("--model-path", str(folder), "--max-total-tokens", "4096", *flags)
 
 
 @pytest.fixture(scope="module")

@@ -3,49 +3,17 @@ backends genserve.lang programs run on."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.serve_process import serve_process
 
 
 @pytest.fixture(scope="session")
 def server_url() -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-diffusion",
-         "--port", str(port), "--dtype", "float32", "--max-total-tokens", "16384"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        if proc.poll() is not None:
-            raise RuntimeError(f"genserve serve exited: {proc.stdout.read()}")  # type: ignore
+    with serve_process("--max-total-tokens", "16384") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 @pytest.fixture(scope="session")

@@ -3,17 +3,11 @@ the offline Engine, checked against Hugging Face's own log-softmax on the same w
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from genserve import Engine
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 256) for _ in range(n)]
+from tests.srt.test_engine import prompt
 
 
 @pytest.fixture(scope="module")

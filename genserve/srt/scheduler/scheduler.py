@@ -312,19 +312,8 @@ class Scheduler:
     def _run_extend_running(self, outputs: list[ReqOutput]) -> None:
         """One extend forward over the running requests, some of which carry several
         jump-forward tokens without KV; retracts (like decode) when the pool is short."""
-        while True:
-            need = sum(r.seq_len - r.kv_len for r in self.running)
-            short = need - self.allocator.available_size()
-            if short > 0:
-                self.cache.evict(short)
-            if need <= self.allocator.available_size():
-                break
-            if len(self.running) == 1:
-                req = self.running.pop()
-                req.finish_abort("the KV cache is too small for this request", status=503)
-                self._finish(req, outputs)
-                return
-            self._retract_one()
+        if not self._fit_running(outputs):
+            return
         batch: list[tuple[Req, int, int]] = []
         mixed = self._mix_in_decode(batch)
         self._run_prefill(batch, mixed, outputs)
@@ -398,20 +387,27 @@ class Scheduler:
                 if req.stream:
                     outputs.append(req.make_output())
 
-    def _run_decode(self, outputs: list[ReqOutput]) -> None:
-        short = len(self.running) - self.allocator.available_size()
-        if short > 0:
-            self.cache.evict(short)
-        while len(self.running) > self.allocator.available_size():
+    def _fit_running(self, outputs: list[ReqOutput]) -> bool:
+        """Make pool room for the running requests' tokens that have no KV yet (one each in a
+        decode, more after a jump-forward): evict cache, then retract. False when a lone
+        request cannot fit; it has ended with a 503."""
+        while True:
+            need = sum(r.seq_len - r.kv_len for r in self.running)
+            short = need - self.allocator.available_size()
+            if short > 0:
+                self.cache.evict(short)
+            if need <= self.allocator.available_size():
+                return True
             if len(self.running) == 1:
                 req = self.running.pop()
                 req.finish_abort("the KV cache is too small for this request", status=503)
                 self._finish(req, outputs)
-                return
+                return False
             self._retract_one()
-            short = len(self.running) - self.allocator.available_size()
-            if short > 0:
-                self.cache.evict(short)
+
+    def _run_decode(self, outputs: list[ReqOutput]) -> None:
+        if not self._fit_running(outputs):
+            return
         reqs = self.running
         slots = self.allocator.alloc(len(reqs))
         assert slots is not None  # ensured above
