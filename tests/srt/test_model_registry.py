@@ -13,12 +13,22 @@ from genserve.srt.model_runner import load_model
 from genserve.srt.models.base import CausalLM, ModelKernels
 from genserve.srt.models.registry import get_model_class, supported_architectures
 
+VISION_LANGUAGE = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                   "LlavaForConditionalGeneration"}
+
 
 def test_every_registered_architecture_is_a_causal_lm():
+    """Text families are CausalLMs; vision-language models wrap one (their decoder) next to
+    Hugging Face's vision tower and encode images."""
     archs = supported_architectures()
     assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"} <= set(archs)
+    assert VISION_LANGUAGE <= set(archs)
     for arch in archs:
-        assert issubclass(get_model_class(arch), CausalLM), arch
+        cls = get_model_class(arch)
+        if arch in VISION_LANGUAGE:
+            assert callable(cls.encode_images) and callable(cls.rebuild_buffers), arch
+        else:
+            assert issubclass(cls, CausalLM), arch
 
 
 def test_unknown_architecture_is_refused_with_the_supported_list():
