@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from genserve.srt.forward_batch import ForwardBatch
-from genserve.srt.layers.rotary_embedding import _inv_freq, _rotate
+from genserve.srt.layers.rotary_embedding import _base_inv_freq, _rotate
 from genserve.srt.model_config import ModelConfig
 from genserve.srt.models.llama import LlamaForCausalLM
 
@@ -32,7 +32,7 @@ class MRotaryEmbedding(nn.Module):
         self.theta = theta
         self.mrope_section = list(mrope_section)
         self.use_triton = False  # set by the model runner; M-RoPE always runs in torch
-        self.register_buffer("inv_freq", _inv_freq(head_dim, theta, None), persistent=False)
+        self.register_buffer("inv_freq", _base_inv_freq(head_dim, theta), persistent=False)
         axis = np.concatenate([np.full(n, i % 3) for i, n in enumerate(self.mrope_section)])
         self.register_buffer("axis", torch.from_numpy(axis).long(), persistent=False)
 
