@@ -31,7 +31,6 @@ class MRotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.theta = theta
         self.mrope_section = list(mrope_section)
-        self.use_triton = False  # set by the model runner; M-RoPE always runs in torch
         self.register_buffer("inv_freq", _base_inv_freq(head_dim, theta), persistent=False)
         axis = np.concatenate([np.full(n, i % 3) for i, n in enumerate(self.mrope_section)])
         self.register_buffer("axis", torch.from_numpy(axis).long(), persistent=False)
