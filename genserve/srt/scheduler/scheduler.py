@@ -16,7 +16,7 @@ import torch
 from genserve.srt.constrained import create_grammar_backend
 from genserve.srt.constrained.jump_forward import jump_forward
 from genserve.srt.forward_batch import ForwardMode
-from genserve.srt.mem_cache import IntegrityError, create_prefix_cache
+from genserve.srt.mem_cache import create_prefix_cache
 from genserve.srt.messages import ReqOutput, TokenizedGenerateReq
 from genserve.srt.model_runner import ModelRunner
 from genserve.srt.multimodal.runtime import create_multimodal_runtime
@@ -27,6 +27,13 @@ from genserve.srt.scheduler.input_logprobs import (
     score_prompt_rows,
     score_token_ids,
 )
+from genserve.srt.scheduler.introspection import (
+    admission_error,
+    check_scheduler_integrity,
+    log_step,
+    scheduler_info,
+)
+from genserve.srt.scheduler.kv_ownership import insert_prefix, release_req
 from genserve.srt.scheduler.policy import create_policy
 from genserve.srt.scheduler.req import Req
 from genserve.srt.server_args import EngineArgs
@@ -89,31 +96,7 @@ class Scheduler:
     def add_request(self, msg: TokenizedGenerateReq) -> ReqOutput | None:
         """Queue a request; returns an immediate final output if it cannot run at all."""
         req = Req(msg, self.tokenizer, self.device)
-        n_in, max_new = len(req.origin_input_ids), req.params.max_new_tokens
-        error = None
-        if n_in == 0:
-            error = "the prompt is empty: at least one input token is required"
-        elif n_in + max_new > self.context_length:
-            error = (
-                f"prompt ({n_in} tokens) + max_new_tokens ({max_new}) = {n_in + max_new} exceeds "
-                f"the context length ({self.context_length})"
-            )
-        elif n_in + max_new > self.max_total_tokens:
-            error = (
-                f"prompt ({n_in} tokens) + max_new_tokens ({max_new}) can never fit in the KV "
-                f"pool ({self.max_total_tokens} tokens); lower max_new_tokens or raise "
-                "--max-total-tokens"
-            )
-        elif any(t < 0 or t >= self.vocab_size for t in req.origin_input_ids):
-            error = f"input token ids must be in [0, {self.vocab_size})"
-        elif any(t >= self.vocab_size for t, _ in req.params.logit_bias):
-            error = f"logit_bias token ids must be in [0, {self.vocab_size})"
-        elif req.params.grammar_key is not None and self.grammar is None:
-            error = "constrained decoding is disabled on this server (--grammar-backend none)"
-        elif req.token_ids_logprob and max(req.token_ids_logprob) >= self.vocab_size:
-            error = f"token_ids_logprob ids must be in [0, {self.vocab_size})"
-        elif req.mm_inputs is not None and self.mm is None:
-            error = "this model does not take image inputs"
+        error = admission_error(self, req)
         if error is not None:
             req.finish_abort(error, status=400)
             return req.make_output()
@@ -166,21 +149,8 @@ class Scheduler:
         else:
             return outputs
         if logger.isEnabledFor(logging.DEBUG):
-            self._log_step(batch, mixed, n_running, time.perf_counter() - t0)
+            log_step(batch, mixed, n_running, time.perf_counter() - t0, len(self.waiting))
         return outputs
-
-    def _log_step(
-        self, batch: list[tuple[Req, int, int]], mixed: set[int], n_running: int, seconds: float
-    ) -> None:
-        if batch:  # mixed-in decodes are 1-token extends inside `batch`
-            what = (
-                f"prefill {len(batch) - len(mixed)} reqs "
-                f"{sum(e for _, _, e in batch) - len(mixed)} tokens"
-            )
-            what += f" + decode {len(mixed)}" if mixed else ""
-        else:
-            what = f"decode {n_running}"
-        logger.debug("step %s: %.1f ms, %d waiting", what, seconds * 1e3, len(self.waiting))
 
     def _reap_aborted(self, outputs: list[ReqOutput]) -> None:
         for req in [r for r in self.waiting if r.aborted]:
@@ -473,36 +443,15 @@ class Scheduler:
                     )
         self.stats["generated_tokens"] += len(reqs)
 
-    # ---- KV ownership -----------------------------------------------------------------------
+    # ---- KV ownership (the mechanics are in kv_ownership.py) --------------------------------
 
     def _insert_prefix(self, req: Req) -> None:
-        """Hand the request's computed KV to the cache; it keeps using the cache's slots."""
-        r2t = self.req_to_token_pool.req_to_token
-        kv = r2t[req.row, : req.kv_len].clone()
-        new_kv, new_prefix, node = self.cache.cache_unfinished_req(
-            req.key_ids[: req.kv_len], kv, req.cache_prefix_len, req.last_node, req.namespace
-        )
-        r2t[req.row, : req.kv_len] = new_kv
-        req.cache_prefix_len, req.last_node = new_prefix, node
+        insert_prefix(req, self.req_to_token_pool, self.cache)
 
     def _release(self, req: Req, insert: bool) -> None:
-        """Return everything the request holds: its slots (to the cache or the free list),
-        its cache lock, its image embeddings and its req_to_token row."""
         if self.mm is not None:
             self.mm.release(req)
-        if req.row is None:
-            return
-        kv = self.req_to_token_pool.req_to_token[req.row, : req.kv_len].clone()
-        if insert:
-            self.cache.cache_finished_req(
-                req.key_ids[: req.kv_len], kv, req.cache_prefix_len, req.last_node, req.namespace
-            )
-        else:
-            self.allocator.free(kv[req.cache_prefix_len :])
-            if req.last_node is not None:
-                self.cache.dec_lock_ref(req.last_node)
-        self.req_to_token_pool.free(req.row)
-        req.row, req.kv_len, req.cache_prefix_len, req.last_node = None, 0, 0, None
+        release_req(req, self.req_to_token_pool, self.allocator, self.cache, insert)
 
     def _retract_one(self) -> None:
         """Free KV for the others: requeue the running request with the fewest output tokens
@@ -529,26 +478,7 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """free + cached + held by requests == pool size; every structure checks itself."""
-        self.allocator.check_integrity()
-        self.cache.check_integrity()
-        self.req_to_token_pool.check_integrity()
-        held = sum(r.owned_kv() for r in self.live_reqs())
-        free, cached = self.allocator.available_size(), self.cache.total_size()
-        if free + cached + held != self.max_total_tokens:
-            raise IntegrityError(
-                f"KV slots leaked: free {free} + cached {cached} + held by requests {held} "
-                f"!= pool size {self.max_total_tokens}"
-            )
-        rows_used = self.req_to_token_pool.size - self.req_to_token_pool.available_size()
-        if rows_used != len(self.live_reqs()):
-            raise IntegrityError(
-                f"req_to_token rows leaked: {rows_used} in use for {len(self.live_reqs())} requests"
-            )
-        compiling = self.compiling.reqs if self.compiling is not None else []
-        if any(r.row is not None for r in self.waiting + compiling):
-            raise IntegrityError("a waiting request still holds a req_to_token row")
-        if self.mm is not None:
-            self.mm.check_integrity(self.live_reqs() + self.waiting)
+        check_scheduler_integrity(self)
 
     def flush_cache(self) -> bool:
         if self.has_work():
@@ -559,26 +489,4 @@ class Scheduler:
         return True
 
     def info(self) -> dict[str, Any]:
-        free = self.allocator.available_size()
-        used = self.max_total_tokens - free
-        s = self.stats
-        return {
-            "max_total_tokens": self.max_total_tokens,
-            "available_tokens": free,
-            "kv_used_tokens": used,
-            "kv_usage": used / self.max_total_tokens,
-            "num_running_reqs": len(self.live_reqs()),
-            "num_waiting_reqs": len(self.waiting) + self._num_compiling(),
-            "num_compiling_reqs": self._num_compiling(),
-            "cache": {
-                "type": type(self.cache).__name__,
-                "total_tokens": self.cache.total_size(),
-                "evictable_tokens": self.cache.evictable_size(),
-                "protected_tokens": self.cache.protected_size(),
-                "hit_rate": s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0,
-            },
-            "stats": dict(s),
-            "grammar": self.grammar.info() if self.grammar is not None else None,
-            "time": time.time(),
-            **({"multimodal": self.mm.info()} if self.mm is not None else {}),
-        }
+        return scheduler_info(self)

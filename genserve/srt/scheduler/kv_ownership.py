@@ -1,0 +1,41 @@
+"""How a request's KV slots change hands between it, the prefix cache and the free list.
+
+Invariant (see `Req`): req_to_token[row, :kv_len] are the slots of the request's tokens;
+[0, cache_prefix_len) belong to the cache (locked through `last_node`), the rest to the request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from genserve.srt.scheduler.req import Req
+
+
+def insert_prefix(req: Req, req_to_token_pool: Any, cache: Any) -> None:
+    """Hand the request's computed KV to the cache; it keeps using the cache's slots."""
+    r2t = req_to_token_pool.req_to_token
+    kv = r2t[req.row, : req.kv_len].clone()
+    new_kv, new_prefix, node = cache.cache_unfinished_req(
+        req.key_ids[: req.kv_len], kv, req.cache_prefix_len, req.last_node, req.namespace
+    )
+    r2t[req.row, : req.kv_len] = new_kv
+    req.cache_prefix_len, req.last_node = new_prefix, node
+
+
+def release_req(req: Req, req_to_token_pool: Any, allocator: Any, cache: Any,
+                insert: bool) -> None:
+    """Return everything the request holds in KV memory: its slots (to the cache when
+    `insert`, else to the free list), its cache lock and its req_to_token row."""
+    if req.row is None:
+        return
+    kv = req_to_token_pool.req_to_token[req.row, : req.kv_len].clone()
+    if insert:
+        cache.cache_finished_req(
+            req.key_ids[: req.kv_len], kv, req.cache_prefix_len, req.last_node, req.namespace
+        )
+    else:
+        allocator.free(kv[req.cache_prefix_len :])
+        if req.last_node is not None:
+            cache.dec_lock_ref(req.last_node)
+    req_to_token_pool.free(req.row)
+    req.row, req.kv_len, req.cache_prefix_len, req.last_node = None, 0, 0, None
