@@ -8,14 +8,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
-from genserve.srt.forward_batch import ForwardBatch
 from genserve.srt.model_config import ModelConfig
-from genserve.srt.models.qwen2_vl import ImageSplicingLM, rebuild_hf_buffers
+from genserve.srt.models.qwen2_vl import (
+    ImageSplicingLM,
+    VisionLanguageModel,
+    rebuild_hf_buffers,
+)
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(VisionLanguageModel):
     uses_mrope = False
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -33,13 +35,6 @@ class LlavaForConditionalGeneration(nn.Module):
         self.multi_modal_projector = LlavaMultiModalProjector(hf_cfg)
 
     # ---- model runner hooks -----------------------------------------------------------------
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.language_model.layers
-
-    def tie_weights(self) -> None:
-        self.language_model.tie_weights()
 
     def rebuild_buffers(self, device: torch.device) -> None:
         for module in self.language_model.modules():  # the decoder's rotary tables
@@ -70,23 +65,12 @@ class LlavaForConditionalGeneration(nn.Module):
         wants_prefix = any(k.startswith("vision_model.") for k in self.vision_tower.state_dict())
         if wants_prefix and not any(k.startswith("vision_model.") for k in vision):
             vision = {f"vision_model.{k}": v for k, v in vision.items()}
-        missing, unexpected = self.vision_tower.load_state_dict(vision, strict=False)
-        missing = [k for k in missing if not k.endswith("position_ids")]
-        if missing or unexpected:
-            raise ValueError(
-                f"vision tower weights do not match the config: missing {missing[:4]}, "
-                f"unexpected {unexpected[:4]}"
-            )
-
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        return self.language_model(fb)
+        self.load_tower(self.vision_tower, vision)
 
     @torch.inference_mode()
     def encode_images(self, items: list[Any]) -> list[torch.Tensor]:
         """Projected patch features of each image: [num_tokens, hidden] per item."""
-        device = self.language_model.embed_tokens.weight.device
-        dtype = next(self.vision_tower.parameters()).dtype
-        pixels = torch.cat([torch.from_numpy(it.pixel_values) for it in items]).to(device, dtype)
+        pixels = self.pixels(items, self.vision_tower)
         out = self.vision_tower(pixels, output_hidden_states=True, return_dict=True)
         layers = (
             self.feature_layer if isinstance(self.feature_layer, list) else [self.feature_layer]

@@ -96,7 +96,42 @@ def rebuild_hf_buffers(module: nn.Module, device: torch.device) -> None:
             sub.position_ids = torch.arange(n, device=device).expand((1, -1))
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class VisionLanguageModel(nn.Module):
+    """What the model runner needs from a vision-language model: a registry decoder
+    (`language_model`) that takes the image embeddings, and one Hugging Face vision tower."""
+
+    language_model: ImageSplicingLM
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.language_model.layers
+
+    def tie_weights(self) -> None:
+        self.language_model.tie_weights()
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        return self.language_model(fb)
+
+    @staticmethod
+    def load_tower(tower: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+        """Load a vision tower's weights; a missing or unexpected one is a start-up error
+        (non-persistent position-id buffers aside)."""
+        missing, unexpected = tower.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if not k.endswith("position_ids")]
+        if missing or unexpected:
+            raise ValueError(
+                f"vision tower weights do not match the config: missing {missing[:4]}, "
+                f"unexpected {unexpected[:4]}"
+            )
+
+    def pixels(self, items: list[Any], tower: nn.Module) -> torch.Tensor:
+        """The items' pixel arrays, concatenated, on the decoder's device in the tower's dtype."""
+        device = self.language_model.embed_tokens.weight.device
+        dtype = next(tower.parameters()).dtype
+        return torch.cat([torch.from_numpy(it.pixel_values) for it in items]).to(device, dtype)
+
+
+class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     uses_mrope = True
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -125,13 +160,6 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 
     # ---- model runner hooks -----------------------------------------------------------------
 
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.language_model.layers
-
-    def tie_weights(self) -> None:
-        self.language_model.tie_weights()
-
     def rebuild_buffers(self, device: torch.device) -> None:
         lm = self.language_model
         with torch.device(device):
@@ -153,23 +181,15 @@ class Qwen2VLForConditionalGeneration(nn.Module):
             else:
                 text[name.replace("model.language_model.", "model.", 1)] = tensor
         self.language_model.load_weights(text.items())
-        missing, unexpected = self.visual.load_state_dict(vision, strict=False)
-        if missing or unexpected:
-            raise ValueError(
-                f"vision tower weights do not match the config: missing {missing[:4]}, "
-                f"unexpected {unexpected[:4]}"
-            )
-
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        return self.language_model(fb)
+        self.load_tower(self.visual, vision)
 
     @torch.inference_mode()
     def encode_images(self, items: list[Any]) -> list[torch.Tensor]:
         """Merged patch embeddings of each image: [num_tokens, hidden] per item."""
-        device = self.language_model.embed_tokens.weight.device
-        dtype = next(self.visual.parameters()).dtype
-        pixels = torch.cat([torch.from_numpy(it.pixel_values) for it in items]).to(device, dtype)
-        grid = torch.tensor([it.grid_thw for it in items], dtype=torch.int64, device=device)
+        pixels = self.pixels(items, self.visual)
+        grid = torch.tensor(
+            [it.grid_thw for it in items], dtype=torch.int64, device=pixels.device
+        )
         out = self.visual(pixels, grid_thw=grid)
         merged = out.pooler_output if hasattr(out, "pooler_output") else out
         return list(torch.split(merged, [it.num_tokens for it in items]))
