@@ -86,10 +86,17 @@ def test_queued_requests_batch_and_match_alone(diffusion_client):
 
 def test_requests_arriving_early_in_a_lone_run_regroup_into_one_batch(diffusion_client):
     """A burst's first request runs at once; requests that arrive during its first steps stop
-    it and all run as one batch, with the same pixels as alone and no step reported twice."""
+    it and all run as one batch, with the same pixels as alone and no step reported twice.
+
+    The joiners are sent when the lead reports step 1 and must reach the worker within the
+    first quarter of its steps. The step count is the largest a request may ask for, so that
+    window is 24 steps, about 0.6 s on a 2-core CPU; a busy machine slows the steps and the
+    gateway alike."""
+    steps = 100
+
     def req(i):
-        return image_req(f"burst{i}", 30 + i, f"p{i} cat", num_inference_steps=40, width=None,
-                         height=None)
+        return image_req(f"burst{i}", 30 + i, f"p{i} cat", num_inference_steps=steps,
+                         width=None, height=None)
 
     async def main():
         lead, joiners = [], []
@@ -104,7 +111,7 @@ def test_requests_arriving_early_in_a_lone_run_regroup_into_one_batch(diffusion_
 
     together, alone = asyncio.run(main())
     assert [events[-1].batch_size for events in together] == [3, 3, 3]
-    assert [e.step for e in together[0][:-1]] == list(range(1, 41))  # rising, none twice
+    assert [e.step for e in together[0][:-1]] == list(range(1, steps + 1))  # none twice
     assert all(events[-1].batch_size == 1 for events in alone)
     for t, a in zip(together, alone, strict=True):
         assert np.array_equal(t[-1].outputs[0], a[-1].outputs[0])
