@@ -13,12 +13,16 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from genserve.multimodal_gen.messages import TEXT_TO_VIDEO, ResultEvent
 from genserve.srt.messages import GenerateOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                 0.75, 1.0, 2.5)
+
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 def _escape(value: str) -> str:
@@ -151,6 +155,24 @@ class GatewayMetrics:
             "genserve_vision_cached_images", "Image embeddings held by the image cache.", m)
         self.in_flight = Gauge("genserve_gateway_in_flight_reqs",
                                "Requests the gateway holds (admitted, not finished).", m)
+        self.diffusion_queue_depth = Gauge(
+            "genserve_diffusion_queue_depth",
+            "Diffusion requests submitted to the worker and not finished (queued or running).")
+        self.diffusion_batch_size = Histogram(
+            "genserve_diffusion_batch_size", "Requests that shared one pipeline call.",
+            _BATCH_BUCKETS, m)
+        self.diffusion_step_time = Histogram(
+            "genserve_diffusion_step_time_seconds",
+            "Denoising time per step (the request's denoise time / its steps).",
+            _STEP_BUCKETS, m)
+        self.diffusion_steps = Counter(
+            "genserve_diffusion_steps_total", "Denoising steps run, per output.", m)
+        self.diffusion_cached_steps = Counter(
+            "genserve_diffusion_cached_steps_total",
+            "Denoising steps served from the step cache, per output.", m)
+        self.images = Counter("genserve_images_generated_total", "Images generated.", m)
+        self.video_frames = Counter(
+            "genserve_video_frames_generated_total", "Video frames generated.", m)
 
     def all(self) -> list[_Metric]:
         return [v for v in vars(self).values() if isinstance(v, _Metric)]
@@ -170,6 +192,20 @@ class GatewayMetrics:
         if isinstance(vision, dict):
             self.images_encoded.set(float(vision.get("images_encoded", 0)), model)
             self.images_cached.set(float(vision.get("cached_images", 0)), model)
+
+    def observe_diffusion_result(self, model: str, task: str, event: ResultEvent) -> None:
+        """Record a finished diffusion request (`task`: text-to-image | text-to-video)."""
+        outputs = len(event.outputs)
+        self.diffusion_batch_size.observe(event.batch_size, model)
+        if event.total_steps > 0 and "denoise" in event.timings:
+            self.diffusion_step_time.observe(
+                event.timings["denoise"] / 1000.0 / event.total_steps, model)
+        self.diffusion_steps.inc(event.total_steps * outputs, model)
+        self.diffusion_cached_steps.inc(event.cached_steps * outputs, model)
+        if task == TEXT_TO_VIDEO:
+            self.video_frames.inc(sum(len(frames) for frames in event.outputs), model)
+        else:
+            self.images.inc(outputs, model)
 
     def render(self) -> str:
         lines: list[str] = []
