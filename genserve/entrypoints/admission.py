@@ -32,24 +32,24 @@ class Admission:
         """Take `count` slots for `model`; 503 at once when its runtime is down or it is full.
         Every successful call must be paired with `release(model, count)`."""
         if not healthy:
-            self.metrics.rejected.inc(count, model, "503")
+            self.metrics.rejected.labels(model, "503").inc(count)
             raise service_unavailable(
                 f"The engine serving {model!r} is not running.", "engine_dead")
         current = self.in_flight.get(model, 0)
         if self.limit is not None and current + count > self.limit:
-            self.metrics.rejected.inc(count, model, "503")
+            self.metrics.rejected.labels(model, "503").inc(count)
             raise service_unavailable(
                 f"Server busy: {current} requests are queued for {model!r} "
                 f"(limit {self.limit}); retry later.", "queue_full")
         self.in_flight[model] = current + count
-        self.metrics.in_flight.set(current + count, model)
+        self.metrics.in_flight.labels(model).set(current + count)
 
     def release(self, model: str, count: int = 1) -> None:
         remaining = self.in_flight.get(model, 0) - count
         if remaining < 0:
             raise RuntimeError(f"released more slots than {model!r} holds")
         self.in_flight[model] = remaining
-        self.metrics.in_flight.set(remaining, model)
+        self.metrics.in_flight.labels(model).set(remaining)
 
     @contextmanager
     def hold(self, model: str, healthy: bool, count: int = 1) -> Iterator[None]:

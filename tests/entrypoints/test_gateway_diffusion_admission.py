@@ -47,7 +47,9 @@ def test_full_diffusion_queue_is_503_and_the_slot_comes_back(tmp_path, monkeypat
         assert refused.status_code == 503
         error = refused.json()["error"]
         assert error["code"] == "queue_full" and "fake-video" in error["message"]
-        assert state.metrics.rejected.value("fake-video", "503") == 1
+        assert state.metrics.registry.get_sample_value(
+            "genserve:num_rejected_requests_total",
+            {"model_name": "fake-video", "status": "503"}) == 1
 
         assert _wait_job(http, first.json()["id"])["status"] == "completed"
         assert state.in_flight["fake-video"] == 0

@@ -122,5 +122,5 @@ class DiffusionRun:
             return
         self._closed = True
         self.admission.release(self.req.model)
-        self.metrics.requests.inc(1, self.req.model, self._reason)
-        self.metrics.e2e.observe(time.perf_counter() - self._start, self.req.model)
+        self.metrics.request_finished(self.req.model, self._reason,
+                                      time.perf_counter() - self._start)

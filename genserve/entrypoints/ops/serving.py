@@ -40,7 +40,7 @@ def list_models(state: GatewayState) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
-async def render_metrics(state: GatewayState) -> str:
+async def render_metrics(state: GatewayState) -> bytes:
     """Refresh the engine gauges from each client's server_info, then render everything."""
     for client in state.llm_clients:
         if not client.is_healthy():
