@@ -4,89 +4,24 @@ and the LLM and diffusion counters moved by what the requests did."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from genserve.entrypoints.app import create_app
-from genserve.entrypoints.config import GatewayConfig
-from genserve.entrypoints.serve import import_async_engine
-from genserve.srt.server_args import EngineArgs
-from tests.needs import smollm2_folder
-
-smollm2_folder(module_level=True)
-AsyncEngine = import_async_engine()
+from tests.entrypoints.test_real_llm_server import _Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-class _Server:
-    """Engine + diffusion worker + gateway + uvicorn on one event loop in a thread."""
-
-    def __init__(self) -> None:
-        self.url = ""
-        self.error: BaseException | None = None
-        self._ready = threading.Event()
-        self._server: Any = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-
-    async def _main(self) -> None:
-        import uvicorn
-
-        from genserve.multimodal_gen.engine_client import WorkerDiffusionClient
-        from genserve.multimodal_gen.worker import WorkerConfig
-
-        engine = diffusion = None
-        try:
-            engine = AsyncEngine(EngineArgs(max_total_tokens=2048))
-            diffusion = await asyncio.to_thread(
-                WorkerDiffusionClient, WorkerConfig(("tiny-flux", "tiny-wan"), num_threads=1))
-            app = create_app(GatewayConfig(), [engine], diffusion)
-            self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
-                                                         log_level="warning", lifespan="on"))
-            self._server.install_signal_handlers = lambda: None
-            task = asyncio.create_task(self._server.serve())
-            while not self._server.started:
-                if task.done():
-                    await task
-                await asyncio.sleep(0.02)
-            port = self._server.servers[0].sockets[0].getsockname()[1]
-            self.url = f"http://127.0.0.1:{port}"
-            self._ready.set()
-            await task
-        except BaseException as exc:
-            self.error = exc
-            self._ready.set()
-        finally:
-            if engine is not None:
-                await engine.shutdown()
-            if diffusion is not None:
-                await diffusion.shutdown()
-
-    def start(self) -> None:
-        self._thread.start()
-        self._ready.wait(300)
-        if self.error is not None:
-            raise RuntimeError(f"server failed to start: {self.error!r}")
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        self._thread.join(60)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[_Server]:
     mp = pytest.MonkeyPatch()
     mp.setenv("GENSERVE_OUTPUT_DIR", str(tmp_path_factory.mktemp("outputs")))
-    live = _Server()
+    live = _Server(diffusion_models=("tiny-flux", "tiny-wan"))
     try:
         live.start()
         yield live
