@@ -1,4 +1,4 @@
-"""Realtime video benchmark (DESIGN.md "Realtime video over WebSocket").
+"""Realtime video benchmark (the protocol: docs/realtime_protocol.md).
 
 1. First-preview latency: after a warm-up session, the time from sending `start` to the first
    preview frame, against the budget of one denoising step + 100 ms (the step time is the median
@@ -33,7 +33,8 @@ import uvicorn
 import websockets
 from fastapi import FastAPI, WebSocket
 
-from genserve.entrypoints.realtime import build_router
+from genserve.entrypoints.app import create_app
+from genserve.entrypoints.config import GatewayConfig
 from genserve.entrypoints.realtime.frames import (
     FrameFormat,
     FrameKind,
@@ -215,8 +216,7 @@ def main() -> int:
 
         client = start_diffusion_client(["tiny-wan"], SimpleNamespace())
         try:
-            app = FastAPI()
-            app.include_router(build_router(client, SimpleNamespace(max_realtime_sessions=2)))
+            app = create_app(GatewayConfig(max_realtime_sessions=2), [], client)
             with serve(app) as url:
                 results.update(bench_latency_and_pacing(url, args))
         finally:

@@ -7,7 +7,7 @@ on the embedded SmolLM2-135M-Instruct:
  2. Mask cost at batch 16: the median decode step with 16 constrained requests (jump-forward
     off, so every step samples under the bitmask) vs 16 unconstrained ones.
  3. Compile cache: the same schema sent 8 times over HTTP compiles once
-    (`genserve_grammar_compiles` in /metrics).
+    (`genserve:grammar_compiles` in /metrics).
 
     python benchmarks/bench_structured.py [--requests 64] [--json-out result.json]
 """
@@ -176,8 +176,8 @@ def compile_count() -> dict:
     metrics = httpx.get(url + "/metrics").text
     box["server"].should_exit = True
     thread.join(60)
-    line = next(x for x in metrics.splitlines() if x.startswith("genserve_grammar_compiles{"))
-    hits = next(x for x in metrics.splitlines() if x.startswith("genserve_grammar_cache_hits{"))
+    line = next(x for x in metrics.splitlines() if x.startswith("genserve:grammar_compiles{"))
+    hits = next(x for x in metrics.splitlines() if x.startswith("genserve:grammar_cache_hits{"))
     result = {"requests": 8, "compiles": float(line.split()[-1]),
               "cache_hits": float(hits.split()[-1])}
     print(f"compile cache: {result}", flush=True)

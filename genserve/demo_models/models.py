@@ -10,30 +10,28 @@ WEIGHTS_DIR = Path(__file__).parent / "weights"
 KINDS = ("image", "video")
 MODEL_NAMES = {"image": "shapes-image", "video": "shapes-video"}
 
-# Transformer sizes (pixel space, 32x32): patch 4 gives an 8x8 token grid (patch 2 trained
-# 7x slower on a CPU).
+# Transformer sizes (pixel space, 32x32): patch 4 gives an 8x8 token grid (patch 2 would be
+# 16x16, four times the tokens, too slow to train on a CPU; docs/benchmarks.md).
 TRANSFORMER_CONFIGS = {
     "image": dict(num_attention_heads=4, attention_head_dim=32, num_layers=6, patch_size=4),
     "video": dict(num_attention_heads=6, attention_head_dim=32, num_layers=6, patch_size=4),
 }
 # Both models are SD3's MMDiT, whose "pooled" text input drives every block's adaLN scale and
 # shift; we feed it the whole prompt embedding flattened (one slot per token, see pipeline.py).
-# Text reaches a freshly initialised DiT's tokens almost the same everywhere, which is enough for
-# colours but not for a direction (the shape must be somewhere else in every frame) or a shape's
-# corners: PixArt (cross-attention only), and SD3 with a mean-pooled prompt, drew a static shape
-# for 1,300-1,850 steps, and PixArt's image model stalled at 75% shapes (rounded squares), while
-# the flattened prompt learned directions after about 1,800 steps and shapes to 93-97%.
+# Text reaches a freshly initialised DiT's tokens almost the same everywhere through attention,
+# which is enough for colours but not for a direction (the shape must be somewhere else in every
+# frame) or a shape's corners; through adaLN each word scales and shifts every block. The
+# training runs behind this choice are in docs/benchmarks.md.
 ARCHITECTURES = {"image": "sd3", "video": "sd3"}
 TEXT_DIM = 64
 MAX_PROMPT_TOKENS = 16  # the longest grammar prompt is 11 tokens with </s>
 # What the transformer outputs (see pipeline.py): the clean picture. The video's patches (16
 # frames x 4x4 x 3 = 768 numbers) are wider than its tokens, so noise cannot pass through them;
-# the image model (48 numbers a patch) could predict the velocity, but the PixArt one that did
-# was no better.
+# the image model (48 numbers a patch) predicts the picture too, so both take one path.
 PREDICTION = {"image": "sample", "video": "sample"}
 # Serving defaults: classifier-free guidance and denoising steps, chosen on the held-out prompts
-# (evaluate.py). Clean-picture models overshoot with strong guidance: image shapes are 97% right
-# at 1.5, 93% at 2, 77% at 3 and 73% at 4; video colours fall above about 3.
+# (evaluate.py). Clean-picture models overshoot with strong guidance, so the defaults are low
+# (accuracy by guidance: docs/benchmarks.md).
 DEFAULT_GUIDANCE = {"image": 1.5, "video": 3.0}
 DEFAULT_STEPS = 8
 

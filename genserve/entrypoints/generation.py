@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -34,10 +33,6 @@ STREAM_FROM_ENGINE = True
 
 # Texts longer than this are tokenized in a worker thread so the event loop stays responsive.
 _INLINE_TOKENIZE_CHARS = 4096
-
-
-def new_rid() -> str:
-    return uuid.uuid4().hex
 
 
 async def tokenize(client: LLMEngineClient, text: str) -> list[int]:

@@ -1,17 +1,36 @@
-"""What one gateway app holds: its clients, metrics and admission counters (no globals)."""
+"""What one gateway app holds (no globals): its runtime clients, the serving object of every
+endpoint family, the shared admission and the metrics.
+
+Every router takes what it needs from here through a dependency: `Depends(get_state)` for the
+LLM families (their serving functions take the state), `Depends(get_image_serving)` and its
+siblings for the diffusion families. All of them read `app.state.gateway`."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
-from fastapi import Request
+from starlette.requests import HTTPConnection
 
+from genserve import envs
+from genserve.entrypoints.admission import Admission
 from genserve.entrypoints.config import GatewayConfig
 from genserve.entrypoints.errors import model_not_found, service_unavailable
+from genserve.entrypoints.images.serving import (
+    IMAGE_STORE_MAX_AGE_S,
+    IMAGE_STORE_MAX_BYTES,
+    ImageServing,
+)
 from genserve.entrypoints.metrics import GatewayMetrics
+from genserve.entrypoints.realtime.serving import RealtimeServing
+from genserve.entrypoints.videos.serving import (
+    VIDEO_STORE_MAX_AGE_S,
+    VIDEO_STORE_MAX_BYTES,
+    VideoServing,
+)
+from genserve.multimodal_gen.client import DiffusionClient
+from genserve.multimodal_gen.output_store import OutputStore
 from genserve.srt.client import LLMEngineClient
 
 
@@ -19,10 +38,13 @@ from genserve.srt.client import LLMEngineClient
 class GatewayState:
     config: GatewayConfig
     llm_clients: list[LLMEngineClient]
-    diffusion_client: Any | None = None
+    diffusion_client: DiffusionClient | None = None
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
-    # model name -> requests admitted and not finished (the gateway's view of the queue)
-    in_flight: dict[str, int] = field(default_factory=dict)
+    admission: Admission = field(init=False)
+    # The diffusion families' serving objects; None when no diffusion model is served.
+    images: ImageServing | None = field(init=False, default=None)
+    videos: VideoServing | None = field(init=False, default=None)
+    realtime: RealtimeServing | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self._by_name: dict[str, LLMEngineClient] = {}
@@ -34,6 +56,23 @@ class GatewayState:
             raise ValueError("served_model_names given but no LLM is served")
         for alias in self.config.served_model_names:
             self._by_name.setdefault(alias, self.llm_clients[0])
+        self.admission = Admission(self.config.max_queued_requests, self.metrics)
+        client = self.diffusion_client
+        if client is not None:
+            output_dir = envs.GENSERVE_OUTPUT_DIR.get()
+            self.images = ImageServing(
+                client, OutputStore(output_dir / "images", IMAGE_STORE_MAX_BYTES,
+                                    IMAGE_STORE_MAX_AGE_S), self.admission, self.metrics)
+            self.videos = VideoServing(
+                client, OutputStore(output_dir / "videos", VIDEO_STORE_MAX_BYTES,
+                                    VIDEO_STORE_MAX_AGE_S), self.admission, self.metrics)
+            self.realtime = RealtimeServing(
+                client, self.config.max_realtime_sessions, self.admission, self.metrics)
+
+    @property
+    def in_flight(self) -> dict[str, int]:
+        """Model name -> requests admitted and not finished (the gateway's view of the queue)."""
+        return self.admission.in_flight
 
     def llm_names(self) -> list[str]:
         return list(self._by_name)
@@ -51,27 +90,42 @@ class GatewayState:
 
     @contextmanager
     def admit(self, client: LLMEngineClient, count: int = 1) -> Iterator[None]:
-        """Hold `count` queue slots for the duration; 503 at once when the queue is full."""
-        name = client.model_name
-        if not client.is_healthy():
-            self.metrics.rejected.inc(count, name, "503")
-            raise service_unavailable(
-                f"The engine serving {name!r} is not running.", "engine_dead")
-        limit = self.config.max_queued_requests
-        current = self.in_flight.get(name, 0)
-        if limit is not None and current + count > limit:
-            self.metrics.rejected.inc(count, name, "503")
-            raise service_unavailable(
-                f"Server busy: {current} requests are queued for {name!r} "
-                f"(limit {limit}); retry later.", "queue_full")
-        self.in_flight[name] = current + count
-        self.metrics.in_flight.set(current + count, name)
-        try:
+        """Hold `count` queue slots of this LLM for the duration; 503 at once when full."""
+        with self.admission.hold(client.model_name, client.is_healthy(), count):
             yield
-        finally:
-            self.in_flight[name] -= count
-            self.metrics.in_flight.set(self.in_flight[name], name)
+
+    async def close(self) -> None:
+        """Stop the work the serving objects run in the background (app shutdown)."""
+        if self.videos is not None:
+            await self.videos.close()
+        if self.realtime is not None:
+            self.realtime.close()
 
 
-def get_state(request: Request) -> GatewayState:
-    return request.app.state.gateway
+def get_state(conn: HTTPConnection) -> GatewayState:
+    return conn.app.state.gateway
+
+
+def _no_diffusion() -> Exception:
+    return service_unavailable("No diffusion model is served by this server.", "no_diffusion")
+
+
+def get_image_serving(conn: HTTPConnection) -> ImageServing:
+    serving = get_state(conn).images
+    if serving is None:
+        raise _no_diffusion()
+    return serving
+
+
+def get_video_serving(conn: HTTPConnection) -> VideoServing:
+    serving = get_state(conn).videos
+    if serving is None:
+        raise _no_diffusion()
+    return serving
+
+
+def get_realtime_serving(conn: HTTPConnection) -> RealtimeServing:
+    serving = get_state(conn).realtime
+    if serving is None:
+        raise _no_diffusion()
+    return serving

@@ -7,8 +7,8 @@ blocking depends on the batch size. Rows past the last full block also take a ta
 with 2 threads: row 4 of a 5-row GEMM differs from the same row alone). So in the denoiser:
 - a linear layer whose input holds one vector per sample ([samples, features]: the timestep and
   pooled-text embeddings that feed every block's adaLN) runs each sample as its own one-row
-  product, so a request alone pays nothing (padding its one row to a block cost 3% of a
-  256x256 tiny-Flux request, ahead of the serving overhead target);
+  product, so a request alone pays nothing (padding its one row to a whole block would cost it
+  a few percent of its time; docs/benchmarks.md);
 - any other linear layer pads its rows up to a multiple of `min_rows()` and drops the padding;
 - a convolution runs one sample at a time.
 
@@ -64,7 +64,7 @@ def _min_rows(threads: int, dtype: torch.dtype) -> int:
 
 def min_rows(dtype: torch.dtype = torch.float32) -> int:
     """The row multiple that makes this CPU's GEMMs batch invariant at the current thread
-    count (measured once, in a fraction of a second)."""
+    count (found by trying once per thread count and dtype, then kept)."""
     return _min_rows(torch.get_num_threads(), dtype)
 
 

@@ -1,25 +1,58 @@
 """The interface the gateway (REST routers, realtime WebSocket) uses to talk to the diffusion
 engine. No torch here: the real engine runs its pipelines in a worker process
-(`genserve.multimodal_gen.engine_client.WorkerDiffusionClient`)."""
+(`genserve.multimodal_gen.engine_client.WorkerDiffusionClient`).
+
+`DiffusionClient` is the interface as the gateway sees it (a Protocol: the gateway types every
+client by it); `DiffusionEngineClient` is the base implementations inherit, which derives the
+model queries from `specs()`."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 from genserve.multimodal_gen.messages import (
     DiffusionRequest,
     ErrorEvent,
     ModelSpec,
     ResultEvent,
+    StepCacheConfig,
     StepEvent,
 )
+
+
+class DiffusionClient(Protocol):
+    """What the gateway calls on a diffusion runtime, all from its event loop."""
+
+    # The server's step-cache settings; a request's `step_cache` overrides fields of it.
+    default_step_cache: StepCacheConfig
+
+    def specs(self) -> list[ModelSpec]: ...
+
+    def list_models(self) -> list[dict[str, Any]]: ...
+
+    def model_spec(self, model: str) -> ModelSpec: ...
+
+    def default_model(self, task: str) -> str | None: ...
+
+    def stream(self, req: DiffusionRequest
+               ) -> AsyncIterator[StepEvent | ResultEvent | ErrorEvent]: ...
+
+    async def cancel(self, request_id: str) -> bool: ...
+
+    def is_healthy(self) -> bool: ...
+
+    def queue_depth(self) -> int: ...
+
+    async def shutdown(self) -> None: ...
 
 
 class DiffusionEngineClient(ABC):
     """Diffusion models served by the gateway. All methods are called from the gateway's event
     loop. `specs()` is the only abstract model query; the others derive from it."""
+
+    default_step_cache: StepCacheConfig = StepCacheConfig()
 
     @abstractmethod
     def specs(self) -> list[ModelSpec]:
@@ -59,6 +92,10 @@ class DiffusionEngineClient(ABC):
     @abstractmethod
     def is_healthy(self) -> bool:
         """False once the worker process has died."""
+
+    @abstractmethod
+    def queue_depth(self) -> int:
+        """Requests submitted and not finished (queued or running)."""
 
     @abstractmethod
     async def shutdown(self) -> None:

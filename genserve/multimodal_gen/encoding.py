@@ -5,13 +5,12 @@ encoded as H.264 in yuv420p (plays everywhere) with the index at the front (`+fa
 browser can start playing before the whole file arrives).
 
 PNGs are written here rather than by Pillow, which filters every row adaptively and then deflates
-with zlib: 14-17 ms for one 256x256 picture with noise or texture in it, and 250 ms at 1024x1024,
-on the gateway's CPU for every image served. `encode_png` picks one filter per image from a sample
-of its rows and deflates with ISA-L (the `isal` package, part of genserve[diffusion]), 3-6x
-faster than zlib's fastest settings: about 2 ms for 256x256 and 23 ms for a textured 1024x1024
-picture. Textured pictures come out about 7% smaller than Pillow's, noise the same size, and flat
-gradients (a few KB either way) up to 3x larger. Without ISA-L it falls back to zlib, choosing
-the strategy on the sample.
+with zlib, on the gateway's CPU for every image served. `encode_png` picks one filter per image
+from a sample of its rows and deflates with ISA-L (the `isal` package, part of
+genserve[diffusion]), several times faster than zlib's fastest settings. Textured pictures come
+out a little smaller than Pillow's, noise the same size, and flat gradients (a few KB either way)
+larger. Without ISA-L it falls back to zlib, choosing the strategy on the sample. Timings and
+sizes: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ GRAMMAR_BACKENDS = ("xgrammar", "none")
 class EngineArgs:
     model_path: str | None = None  # HF folder, .gguf file, or None for the embedded SmolLM2
     # "auto": bfloat16 on GPUs and on CPUs with native bf16 math (AVX512-BF16 / AMX), else
-    # float32 (measured on an AVX2-only CPU: bf16 GEMMs ran at ~4 GFLOP/s at any batch size,
-    # fp32 at 13-30 GFLOP/s, so batching gains nothing in bf16 there).
+    # float32: without native bf16 the GEMMs convert in software, run several times slower
+    # than fp32 and gain nothing from batching (docs/benchmarks.md).
     dtype: str = "auto"
     device: str = "auto"  # "auto" = cuda when available, else cpu
     attention_backend: str | None = None  # None = triton on CUDA, torch on CPU

@@ -1,5 +1,5 @@
 // genserve realtime video client: a WebSocket session, a decoder Web Worker, and a
-// requestAnimationFrame draw loop. Protocol: DESIGN.md "Realtime video over WebSocket".
+// requestAnimationFrame draw loop. Protocol: docs/realtime_protocol.md.
 "use strict";
 
 (() => {

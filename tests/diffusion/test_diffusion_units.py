@@ -384,8 +384,8 @@ def test_embedded_names_agree():
 
 
 def test_request_step_cache_fills_in_from_the_server_default():
+    from genserve.entrypoints.diffusion.params import StepCacheParam, step_cache_config
     from genserve.entrypoints.errors import APIError
-    from genserve.entrypoints.images.protocol import StepCacheParam, step_cache_config
 
     server = StepCacheConfig(enabled=False, residual_diff_threshold=0.3, warmup_steps=2)
     assert step_cache_config(None, server) is None

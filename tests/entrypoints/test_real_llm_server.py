@@ -30,9 +30,11 @@ pytestmark = pytest.mark.slow
 
 
 class _Server:
-    """Runs engine + gateway + uvicorn on one event loop in a background thread."""
+    """Runs engine + gateway + uvicorn on one event loop in a background thread; with
+    `diffusion_models`, a diffusion worker serving them too."""
 
-    def __init__(self) -> None:
+    def __init__(self, diffusion_models: tuple[str, ...] = ()) -> None:
+        self.diffusion_models = diffusion_models
         self.url = ""
         self.error: BaseException | None = None
         self._ready = threading.Event()
@@ -42,11 +44,17 @@ class _Server:
     async def _main(self) -> None:
         import uvicorn
 
-        engine = None
+        engine = diffusion = None
         try:
             # float32: greedy outputs must not depend on batch composition (bf16 rounding can).
             engine = AsyncEngine(EngineArgs(max_total_tokens=4096, dtype="float32"))
-            app = create_app(GatewayConfig(max_queued_requests=256), [engine])
+            if self.diffusion_models:
+                from genserve.multimodal_gen.engine_client import WorkerDiffusionClient
+                from genserve.multimodal_gen.worker import WorkerConfig
+
+                diffusion = await asyncio.to_thread(
+                    WorkerDiffusionClient, WorkerConfig(self.diffusion_models, num_threads=1))
+            app = create_app(GatewayConfig(max_queued_requests=256), [engine], diffusion)
 
             class Server(uvicorn.Server):
                 def install_signal_handlers(self) -> None:
@@ -69,6 +77,8 @@ class _Server:
         finally:
             if engine is not None:
                 await engine.shutdown()
+            if diffusion is not None:
+                await diffusion.shutdown()
 
     def start(self) -> None:
         self._thread.start()

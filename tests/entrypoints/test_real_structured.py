@@ -163,4 +163,4 @@ def test_tool_errors_are_400(server):
     ok = httpx.post(server.url + "/generate", json={"text": "Say a number:", "sampling_params": {
         "regex": "[0-9]{2}", "max_new_tokens": 5, "temperature": 0}}, timeout=60)
     assert ok.status_code == 200 and len(ok.json()["text"]) == 2
-    assert "genserve_grammar_compiles" in httpx.get(server.url + "/metrics").text
+    assert "genserve:grammar_compiles" in httpx.get(server.url + "/metrics").text

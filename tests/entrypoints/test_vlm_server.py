@@ -97,9 +97,9 @@ def test_openai_client_sends_images_and_gets_hf_tokens(server, hf):
         messages=[{"role": "user", "content": openai_content([IMG_A, "what is the color ?"])}])
     assert r.usage.prompt_tokens_details.cached_tokens >= 7
     metrics = httpx.get(server + "/metrics").text
-    assert "genserve_vision_images_encoded" in metrics
+    assert "genserve:vision_images_encoded" in metrics
     encoded = [line for line in metrics.splitlines()
-               if line.startswith("genserve_vision_images_encoded{")]
+               if line.startswith("genserve:vision_images_encoded{")]
     assert encoded and float(encoded[0].split()[-1]) == 3.0  # A, B, C: each encoded once
 
 

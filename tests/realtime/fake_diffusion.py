@@ -118,5 +118,8 @@ class FakeDiffusionClient(DiffusionEngineClient):
     def is_healthy(self) -> bool:
         return True
 
+    def queue_depth(self) -> int:
+        return len(self.running)
+
     async def shutdown(self) -> None:
         return None

@@ -6,16 +6,14 @@ import asyncio
 import contextlib
 import json
 import time
-from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
 import websockets
-from fastapi import FastAPI
 
-from genserve.entrypoints.errors import install_error_handlers
-from genserve.entrypoints.realtime import build_router
+from genserve.entrypoints.app import create_app
+from genserve.entrypoints.config import GatewayConfig
 from genserve.entrypoints.realtime.frames import FrameFormat, FrameKind
 from genserve.entrypoints.realtime.sender import FrameSender
 from tests.realtime.client import Received, receive_until, run_session, ws_url
@@ -27,12 +25,9 @@ pytestmark = pytest.mark.timeout(120)
 
 @contextlib.contextmanager
 def realtime_server(fake: FakeDiffusionClient, max_sessions: int = 4):
-    app = FastAPI()
-    install_error_handlers(app)
-    router = build_router(fake, SimpleNamespace(max_realtime_sessions=max_sessions))
-    app.include_router(router)
+    app = create_app(GatewayConfig(max_realtime_sessions=max_sessions), [], fake)
     with serve(app) as base:
-        yield base, router.realtime_serving
+        yield base, app.state.gateway.realtime
 
 
 @pytest.fixture

@@ -6,83 +6,37 @@ import asyncio
 import base64
 import io
 import time
-import uuid
+from pathlib import Path
 from typing import Any
 
-from genserve.entrypoints.errors import APIError, bad_request, model_not_found, not_found
-from genserve.entrypoints.images.protocol import (
-    ImageEditRequest,
-    ImageGenerationRequest,
-    step_cache_config,
+from genserve.entrypoints.admission import Admission, new_rid
+from genserve.entrypoints.diffusion.serving import (
+    DiffusionRun,
+    parse_size_param,
+    request_step_cache,
+    resolve_model,
 )
-from genserve.multimodal_gen.client import DiffusionEngineClient
+from genserve.entrypoints.errors import bad_request, not_found
+from genserve.entrypoints.images.protocol import ImageEditRequest, ImageGenerationRequest
+from genserve.entrypoints.metrics import GatewayMetrics
+from genserve.multimodal_gen.client import DiffusionClient
 from genserve.multimodal_gen.encoding import encode_image
-from genserve.multimodal_gen.messages import (
-    STATUS_BAD_INPUT,
-    STATUS_CANCELLED,
-    STATUS_UNKNOWN_MODEL,
-    TEXT_TO_IMAGE,
-    TEXT_TO_VIDEO,
-    DiffusionRequest,
-    ErrorEvent,
-    ModelSpec,
-    ResultEvent,
-)
+from genserve.multimodal_gen.messages import TEXT_TO_IMAGE, DiffusionRequest, ModelSpec
 from genserve.multimodal_gen.output_store import OutputStore
-from genserve.multimodal_gen.validation import parse_size
 
-
-def error_from_event(event: ErrorEvent) -> APIError:
-    if event.status == STATUS_BAD_INPUT:
-        return bad_request(event.message)
-    if event.status == STATUS_UNKNOWN_MODEL:
-        return APIError(404, event.message, code="model_not_found", param="model")
-    if event.status == STATUS_CANCELLED:
-        return APIError(499, event.message, type="request_cancelled")
-    return APIError(event.status, event.message)
-
-
-def resolve_model(client: DiffusionEngineClient, model: str | None, task: str,
-                  endpoint: str) -> ModelSpec:
-    """The spec of the requested model (or the task's default); 404 unknown, 400 wrong task."""
-    if not model:
-        model = client.default_model(task)
-        if model is None:
-            raise bad_request(f"this server has no {task} model; pass `model`", param="model")
-    try:
-        spec = client.model_spec(model)
-    except KeyError:
-        raise model_not_found(model, [s["id"] for s in client.list_models()]) from None
-    if spec.task != task:
-        other = "/v1/videos" if spec.task == TEXT_TO_VIDEO else "/v1/images/generations"
-        raise bad_request(f"model {model!r} is a {spec.task} model; {endpoint} needs a {task} "
-                          f"model (use {other} for this one)", param="model")
-    return spec
-
-
-def parse_size_param(size: str | None) -> tuple[int | None, int | None]:
-    if size is None or size == "auto":
-        return None, None
-    try:
-        return parse_size(size)
-    except ValueError as exc:
-        raise bad_request(str(exc), param="size") from None
-
-
-async def run_to_result(client: DiffusionEngineClient, req: DiffusionRequest) -> ResultEvent:
-    """Run a request to its end; its ErrorEvent becomes the matching APIError."""
-    async for event in client.stream(req):
-        if isinstance(event, ResultEvent):
-            return event
-        if isinstance(event, ErrorEvent):
-            raise error_from_event(event)
-    raise APIError(503, "the diffusion engine ended the request without a result")
+IMAGE_STORE_MAX_BYTES = 1024**3  # 1 GiB of generated images on disk
+IMAGE_STORE_MAX_AGE_S = 24 * 3600.0
 
 
 class ImageServing:
-    def __init__(self, client: DiffusionEngineClient, store: OutputStore):
+    """The image endpoints of one app: runs requests on `client` and keeps their files."""
+
+    def __init__(self, client: DiffusionClient, store: OutputStore, admission: Admission,
+                 metrics: GatewayMetrics) -> None:
         self.client = client
         self.store = store
+        self.admission = admission
+        self.metrics = metrics
 
     async def generate(self, body: ImageGenerationRequest, base_url: str) -> dict[str, Any]:
         spec = resolve_model(self.client, body.model, TEXT_TO_IMAGE, "/v1/images/generations")
@@ -105,11 +59,12 @@ class ImageServing:
             body = body.model_copy(update={"size": f"{size[0]}x{size[1]}"})
         return await self._run(body, spec, base_url, init_image=image, strength=body.strength)
 
-    async def _run(self, body, spec: ModelSpec, base_url: str, init_image: bytes | None,
+    async def _run(self, body: ImageGenerationRequest | ImageEditRequest, spec: ModelSpec,
+                   base_url: str, init_image: bytes | None,
                    strength: float | None) -> dict[str, Any]:
         width, height = parse_size_param(body.size)
         req = DiffusionRequest(
-            request_id=f"img-{uuid.uuid4().hex}",
+            request_id=new_rid("img-"),
             model=spec.name,
             prompt=body.prompt,
             negative_prompt=body.negative_prompt,
@@ -119,20 +74,19 @@ class ImageServing:
             guidance_scale=body.guidance_scale,
             seed=body.seed,
             num_outputs=body.n,
-            step_cache=step_cache_config(
-                body.step_cache, getattr(self.client, "default_step_cache", None)),
+            step_cache=request_step_cache(self.client, body.step_cache),
             init_image=init_image,
             strength=strength,
             progress=False,  # an image response waits for the result
         )
-        result = await run_to_result(self.client, req)
+        result = await DiffusionRun(self.client, self.admission, self.metrics, req).result()
         quality = body.output_compression if body.output_compression is not None else 90
         fmt = body.output_format
         data = []
         b64 = body.response_format != "url"
         for frames, seed in zip(result.outputs, result.seeds or [None] * len(result.outputs),
                                 strict=True):
-            image_id = f"img_{uuid.uuid4().hex}"
+            image_id = new_rid("img_")
             # One trip to a worker thread: encode, store, and base64 for the response.
             encoded = await asyncio.to_thread(self._encode_and_store, image_id, frames[0], fmt,
                                               max(1, quality), b64)
@@ -161,7 +115,7 @@ class ImageServing:
         self.store.put(image_id, encoded, fmt)
         return base64.b64encode(encoded).decode() if b64 else None
 
-    def content(self, image_id: str):
+    def content(self, image_id: str) -> tuple[Path, str]:
         found = self.store.get(image_id)
         if found is None:
             raise not_found(f"no image with id {image_id!r} (unknown or expired)")

@@ -13,12 +13,12 @@ from fastapi.responses import JSONResponse, Response
 
 from genserve import __version__
 from genserve.entrypoints import sse
+from genserve.entrypoints.admission import new_rid
 from genserve.entrypoints.errors import APIError, bad_request, not_found, service_unavailable
 from genserve.entrypoints.generation import (
     STREAM_FROM_ENGINE,
     GenerationGroup,
     check_context,
-    new_rid,
     primed,
     supports_grammar,
     tokenize,

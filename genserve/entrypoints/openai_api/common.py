@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -12,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from genserve.entrypoints import sse
+from genserve.entrypoints.admission import new_rid
 from genserve.entrypoints.errors import bad_request
 from genserve.entrypoints.generation import (
     STREAM_FROM_ENGINE,
@@ -31,7 +31,7 @@ _PASSTHROUGH = ("temperature", "top_p", "stop", "frequency_penalty", "presence_p
 
 
 def completion_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return new_rid(f"{prefix}-")
 
 
 def now() -> int:
@@ -66,7 +66,7 @@ def sampling_params(body: SamplingFields, max_new_tokens: int,
 def fan_out(body: SamplingFields, prompts: list[list[int]], params: dict[str, Any],
             logprobs: bool, top_logprobs: int) -> list[GenerateRequest]:
     """One engine request per (prompt, choice); choice i gets seed + i."""
-    base = body.rid or uuid.uuid4().hex
+    base = body.rid or new_rid()
     multiple = len(prompts) * body.n > 1
     reqs = []
     for p, ids in enumerate(prompts):

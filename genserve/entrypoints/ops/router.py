@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 
+from genserve.entrypoints.metrics import CONTENT_TYPE
 from genserve.entrypoints.ops import serving
 from genserve.entrypoints.state import GatewayState, get_state
 
@@ -23,8 +24,7 @@ def build_router() -> APIRouter:
         return JSONResponse(serving.list_models(state))
 
     @router.get("/metrics")
-    async def metrics(state: GatewayState = Depends(get_state)) -> PlainTextResponse:
-        text = await serving.render_metrics(state)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(state: GatewayState = Depends(get_state)) -> Response:
+        return Response(await serving.render_metrics(state), media_type=CONTENT_TYPE)
 
     return router

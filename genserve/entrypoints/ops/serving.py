@@ -18,7 +18,7 @@ def health(state: GatewayState) -> tuple[bool, dict[str, Any]]:
     """(all healthy, per-component report)."""
     report: dict[str, Any] = {c.model_name: c.is_healthy() for c in state.llm_clients}
     if state.diffusion_client is not None:
-        report["diffusion"] = bool(state.diffusion_client.is_healthy())
+        report["diffusion"] = state.diffusion_client.is_healthy()
     return all(report.values()), report
 
 
@@ -40,7 +40,7 @@ def list_models(state: GatewayState) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
-async def render_metrics(state: GatewayState) -> str:
+async def render_metrics(state: GatewayState) -> bytes:
     """Refresh the engine gauges from each client's server_info, then render everything."""
     for client in state.llm_clients:
         if not client.is_healthy():
@@ -51,4 +51,7 @@ async def render_metrics(state: GatewayState) -> str:
             logger.warning("server_info failed for %s: %s", client.model_name, exc)
             continue
         state.metrics.update_server_info(client.model_name, info)
+    diffusion = state.diffusion_client
+    if diffusion is not None and diffusion.is_healthy():
+        state.metrics.diffusion_queue_depth.set(diffusion.queue_depth())
     return state.metrics.render()

@@ -1,6 +1,6 @@
 """Binary frames of the realtime video protocol: the 24-byte header and the image payloads.
 
-Wire layout (little-endian), see DESIGN.md "Realtime video over WebSocket":
+Wire layout (little-endian), specified in docs/realtime_protocol.md:
 
     magic b"GSF1" | u8 kind | u8 format | u16 reserved | u32 chunk | u16 step |
     u16 frame_index | u16 width | u16 height | u32 payload_length

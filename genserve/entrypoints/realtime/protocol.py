@@ -1,7 +1,7 @@
 """JSON control messages of `GET /v1/realtime/video` (binary frames live in `frames.py`).
 
 Client -> server: `start`, `prompt`, `stop`. Server -> client: `started`, `progress`, `chunk_done`,
-`done`, `error`. Field names follow DESIGN.md "Realtime video over WebSocket".
+`done`, `error`. The protocol is specified in docs/realtime_protocol.md.
 """
 
 from __future__ import annotations

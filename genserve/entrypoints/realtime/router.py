@@ -6,17 +6,14 @@ it). Only the files listed in `UI_ASSETS` are served, so no path can reach outsi
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
-from fastapi import APIRouter, WebSocket
+from fastapi import APIRouter, Depends, WebSocket
 from fastapi.responses import FileResponse
 
 from genserve.entrypoints.errors import not_found
 from genserve.entrypoints.realtime.serving import RealtimeServing
-from genserve.multimodal_gen.client import DiffusionEngineClient
+from genserve.entrypoints.state import get_realtime_serving
 
 WEBUI_DIR = Path(__file__).resolve().parents[2] / "webui"
 UI_ASSETS = {
@@ -26,31 +23,15 @@ UI_ASSETS = {
 }
 # The UI is small and changes with the server version: always revalidate.
 _NO_CACHE = {"Cache-Control": "no-cache"}
-DEFAULT_MAX_REALTIME_SESSIONS = 4
 
 
-def build_router(diffusion_client: DiffusionEngineClient, config: Any) -> APIRouter:
-    """The realtime WebSocket (`/v1/realtime/video`) and web UI routes for `diffusion_client`.
-
-    `config` is the gateway's GatewayConfig; `max_realtime_sessions` caps concurrent sessions.
-    """
-    max_sessions = getattr(config, "max_realtime_sessions", DEFAULT_MAX_REALTIME_SESSIONS)
-    serving = RealtimeServing(diffusion_client, max_sessions)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Any) -> AsyncIterator[None]:
-        try:
-            yield
-        finally:
-            serving.close()
-
-    router = APIRouter(lifespan=lifespan)
-    router.realtime_serving = serving  # type: ignore[attr-defined]  # for tests' integrity checks
+def build_router() -> APIRouter:
+    router = APIRouter()
 
     @router.websocket("/v1/realtime/video")
-    async def realtime_video(websocket: WebSocket) -> None:
+    async def realtime_video(websocket: WebSocket,
+                             serving: RealtimeServing = Depends(get_realtime_serving)) -> None:
         await serving.handle(websocket)
-
     @router.get("/", include_in_schema=False)
     async def index() -> FileResponse:
         return FileResponse(

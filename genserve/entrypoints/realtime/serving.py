@@ -8,23 +8,31 @@ from concurrent.futures import ThreadPoolExecutor
 
 from starlette.websockets import WebSocket
 
+from genserve.entrypoints.admission import Admission
+from genserve.entrypoints.metrics import GatewayMetrics
 from genserve.entrypoints.realtime.frames import warm_up_encoders
 from genserve.entrypoints.realtime.protocol import error_message
 from genserve.entrypoints.realtime.session import RealtimeSession
-from genserve.multimodal_gen.client import DiffusionEngineClient
+from genserve.multimodal_gen.client import DiffusionClient
 
 # WebSocket close code "policy violation": used when the session limit is reached.
 CLOSE_POLICY_VIOLATION = 1008
 
 
 class RealtimeServing:
+    """The realtime sessions of one app; each chunk a session generates is a diffusion request
+    admitted and measured like any other (`DiffusionRun`)."""
+
     def __init__(
-        self, client: DiffusionEngineClient, max_sessions: int, encode_threads: int | None = None
+        self, client: DiffusionClient, max_sessions: int, admission: Admission,
+        metrics: GatewayMetrics, encode_threads: int | None = None,
     ) -> None:
         if max_sessions < 1:
             raise ValueError(f"max_realtime_sessions must be >= 1, got {max_sessions}")
         self.client = client
         self.max_sessions = max_sessions
+        self.admission = admission
+        self.metrics = metrics
         threads = encode_threads or min(4, os.cpu_count() or 1)
         # Frame encoding (WebP/JPEG) is CPU work; it runs here, never on the event loop.
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="genserve-realtime")
@@ -48,7 +56,8 @@ class RealtimeServing:
             await websocket.close(CLOSE_POLICY_VIOLATION, "too many realtime sessions")
             return
         session_id = uuid.uuid4().hex[:16]
-        session = RealtimeSession(websocket, self.client, self.executor, session_id)
+        session = RealtimeSession(websocket, self.client, self.admission, self.metrics,
+                                  self.executor, session_id)
         self._sessions[session_id] = session
         try:
             await session.run()

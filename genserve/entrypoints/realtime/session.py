@@ -18,6 +18,10 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from genserve.entrypoints.admission import Admission
+from genserve.entrypoints.diffusion.serving import DiffusionRun
+from genserve.entrypoints.errors import APIError
+from genserve.entrypoints.metrics import GatewayMetrics
 from genserve.entrypoints.realtime.frames import FrameKind, encode_frame
 from genserve.entrypoints.realtime.protocol import (
     ERROR_CODE_BY_STATUS,
@@ -33,7 +37,7 @@ from genserve.entrypoints.realtime.protocol import (
 )
 from genserve.entrypoints.realtime.sender import FrameSender
 from genserve.entrypoints.realtime.settings import SessionSettings, resolve_settings
-from genserve.multimodal_gen.client import DiffusionEngineClient
+from genserve.multimodal_gen.client import DiffusionClient
 from genserve.multimodal_gen.messages import ErrorEvent, ResultEvent, StepEvent
 
 logger = logging.getLogger(__name__)
@@ -45,12 +49,14 @@ def _ms(since: float) -> float:
 
 class RealtimeSession:
     def __init__(
-        self, websocket: WebSocket, client: DiffusionEngineClient, executor: Executor,
-        session_id: str,
+        self, websocket: WebSocket, client: DiffusionClient, admission: Admission,
+        metrics: GatewayMetrics, executor: Executor, session_id: str,
     ) -> None:
         self.session_id = session_id
         self._ws = websocket
         self._client = client
+        self._admission = admission
+        self._metrics = metrics
         self._executor = executor
         self.sender = FrameSender(websocket.send_text, websocket.send_bytes, executor)
         self._generation: asyncio.Task[None] | None = None
@@ -170,11 +176,16 @@ class RealtimeSession:
         # Ids are unique per start: a stopped run's id may still be winding down in the engine.
         request_id = f"rt-{self.session_id}-{self._runs}-{chunk}"
         req = settings.request(request_id, chunk, self._prompt)
+        try:
+            run = DiffusionRun(self._client, self._admission, self._metrics, req)
+        except APIError as exc:  # the queue is full or the worker is down
+            self._error(ERROR_CODE_BY_STATUS.get(exc.status_code, "internal_error"), exc.message)
+            return False
         self._request_id = req.request_id
         started = time.monotonic()
         first_preview_ms: float | None = None
         fmt, quality = settings.preview_format, settings.preview_quality
-        async with contextlib.aclosing(self._client.stream(req)) as events:
+        async with contextlib.aclosing(run.events()) as events:
             async for event in events:
                 if isinstance(event, StepEvent):
                     self.sender.send_json(progress_message(chunk, event.step, event.total_steps))

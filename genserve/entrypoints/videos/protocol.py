@@ -7,14 +7,14 @@ from typing import Any
 
 from pydantic import Field
 
-from genserve.entrypoints.images.protocol import _DiffusionParams
+from genserve.entrypoints.diffusion.params import DiffusionParams
 
 QUEUED, IN_PROGRESS, COMPLETED, FAILED, CANCELLED = (
     "queued", "in_progress", "completed", "failed", "cancelled")
 FINISHED = (COMPLETED, FAILED, CANCELLED)
 
 
-class VideoCreateRequest(_DiffusionParams):
+class VideoCreateRequest(DiffusionParams):
     """POST /v1/videos (JSON or multipart). Give `seconds` or `num_frames`, not both."""
 
     seconds: float | None = Field(default=None, gt=0)

@@ -4,16 +4,23 @@ and stored; progress is the fraction of denoising steps done (no torch)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
-import uuid
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
+from genserve.entrypoints.admission import Admission, new_rid
+from genserve.entrypoints.diffusion.serving import (
+    DiffusionRun,
+    parse_size_param,
+    request_step_cache,
+    resolve_model,
+)
 from genserve.entrypoints.errors import APIError, bad_request, not_found
-from genserve.entrypoints.images.protocol import step_cache_config
-from genserve.entrypoints.images.serving import parse_size_param, resolve_model
+from genserve.entrypoints.metrics import GatewayMetrics
 from genserve.entrypoints.videos.protocol import (
     CANCELLED,
     COMPLETED,
@@ -23,12 +30,13 @@ from genserve.entrypoints.videos.protocol import (
     VideoCreateRequest,
     VideoJob,
 )
-from genserve.multimodal_gen.client import DiffusionEngineClient
+from genserve.multimodal_gen.client import DiffusionClient
 from genserve.multimodal_gen.encoding import encode_mp4
 from genserve.multimodal_gen.messages import (
+    STATUS_CANCELLED,
     TEXT_TO_VIDEO,
+    DiffusionEvent,
     DiffusionRequest,
-    ErrorEvent,
     ModelSpec,
     ResultEvent,
     StepCacheConfig,
@@ -38,15 +46,22 @@ from genserve.multimodal_gen.output_store import OutputStore
 from genserve.multimodal_gen.validation import MAX_OUTPUTS, MAX_SEED, resolve_request
 
 logger = logging.getLogger(__name__)
+VIDEO_STORE_MAX_BYTES = 4 * 1024**3  # 4 GiB of MP4s on disk
+VIDEO_STORE_MAX_AGE_S = 24 * 3600.0
 MAX_FINISHED_JOBS = 1000  # older finished jobs are forgotten (their files age out of the store)
 
 
 class VideoServing:
-    def __init__(self, client: DiffusionEngineClient, store: OutputStore):
+    """The video job endpoints of one app: the job table, and a task per running job."""
+
+    def __init__(self, client: DiffusionClient, store: OutputStore, admission: Admission,
+                 metrics: GatewayMetrics) -> None:
         self.client = client
         self.store = store
+        self.admission = admission
+        self.metrics = metrics
         self.jobs: OrderedDict[str, VideoJob] = OrderedDict()
-        self._tasks: dict[str, asyncio.Task] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
 
     async def create(self, body: VideoCreateRequest) -> dict[str, Any]:
         spec = resolve_model(self.client, body.model, TEXT_TO_VIDEO, "/v1/videos")
@@ -54,14 +69,13 @@ class VideoServing:
         fps = body.fps or spec.default_fps or 16
         num_frames = self._num_frames(body, spec, fps)
         seed = body.seed if body.seed is not None else random.randrange(MAX_SEED - MAX_OUTPUTS)
-        job_id = f"video_{uuid.uuid4().hex}"
+        job_id = new_rid("video_")
         req = DiffusionRequest(
             request_id=job_id, model=spec.name, prompt=body.prompt,
             negative_prompt=body.negative_prompt, width=width, height=height,
             num_frames=num_frames, fps=fps, num_inference_steps=body.num_inference_steps,
             guidance_scale=body.guidance_scale, seed=seed,
-            step_cache=step_cache_config(
-                body.step_cache, getattr(self.client, "default_step_cache", None)),
+            step_cache=request_step_cache(self.client, body.step_cache),
         )
         try:  # check now, so bad input is a 400 and not a failed job
             resolved = resolve_request(req, spec, StepCacheConfig())
@@ -72,9 +86,12 @@ class VideoServing:
             size=f"{resolved.width}x{resolved.height}", num_frames=resolved.num_frames, fps=fps,
             created_at=int(time.time()), total_steps=resolved.num_inference_steps, seed=seed,
         )
+        run = DiffusionRun(self.client, self.admission, self.metrics, req)  # 503 when full
         self.jobs[job_id] = job
         self._forget_old_jobs()
-        self._tasks[job_id] = asyncio.create_task(self._run(job, req))
+        task = asyncio.create_task(self._run(job, run))
+        task.add_done_callback(lambda _: run.close())  # also when cancelled before it started
+        self._tasks[job_id] = task
         return job.to_dict()
 
     @staticmethod
@@ -91,25 +108,11 @@ class VideoServing:
                 f"{spec.max_num_frames}); pass num_frames instead", param="seconds")
         return round(frames)
 
-    async def _run(self, job: VideoJob, req: DiffusionRequest) -> None:
+    async def _run(self, job: VideoJob, run: DiffusionRun) -> None:
         try:
-            async for event in self.client.stream(req):
-                if isinstance(event, StepEvent):
-                    job.status = IN_PROGRESS
-                    job.steps_done, job.total_steps = event.step, event.total_steps
-                    job.progress = min(99, int(100 * event.step / max(1, event.total_steps)))
-                elif isinstance(event, ResultEvent):
-                    data = await asyncio.to_thread(encode_mp4, event.outputs[0], job.fps)
-                    await asyncio.to_thread(self.store.put, job.id, data, "mp4")
-                    job.cached_steps, job.timings = event.cached_steps, event.timings
-                    self._finish(job, COMPLETED)
-                    job.progress = 100
-                elif isinstance(event, ErrorEvent):
-                    if event.status == 499:
-                        self._finish(job, CANCELLED)
-                    else:
-                        self._finish(job, FAILED, {"code": str(event.status),
-                                                   "message": event.message})
+            async with contextlib.aclosing(run.events()) as events:
+                async for event in events:
+                    await self._on_event(job, event)
         except asyncio.CancelledError:
             self._finish(job, CANCELLED)
             raise
@@ -117,9 +120,26 @@ class VideoServing:
             logger.exception("video job %s failed", job.id)
             self._finish(job, FAILED, {"code": "500", "message": f"{type(exc).__name__}: {exc}"})
         finally:
+            run.close()
             self._tasks.pop(job.id, None)
             if job.status not in FINISHED:
                 self._finish(job, FAILED, {"code": "503", "message": "the job ended early"})
+
+    async def _on_event(self, job: VideoJob, event: DiffusionEvent) -> None:
+        if isinstance(event, StepEvent):
+            job.status = IN_PROGRESS
+            job.steps_done, job.total_steps = event.step, event.total_steps
+            job.progress = min(99, int(100 * event.step / max(1, event.total_steps)))
+        elif isinstance(event, ResultEvent):
+            data = await asyncio.to_thread(encode_mp4, event.outputs[0], job.fps)
+            await asyncio.to_thread(self.store.put, job.id, data, "mp4")
+            job.cached_steps, job.timings = event.cached_steps, event.timings
+            self._finish(job, COMPLETED)
+            job.progress = 100
+        elif event.status == STATUS_CANCELLED:
+            self._finish(job, CANCELLED)
+        else:
+            self._finish(job, FAILED, {"code": str(event.status), "message": event.message})
 
     @staticmethod
     def _finish(job: VideoJob, status: str, error: dict | None = None) -> None:
@@ -151,7 +171,7 @@ class VideoServing:
                 "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None}
 
-    def content(self, job_id: str):
+    def content(self, job_id: str) -> tuple[Path, str]:
         job = self.get(job_id)
         if job.status != COMPLETED:
             raise APIError(409, f"video {job_id} is {job.status}; its content exists once it is "

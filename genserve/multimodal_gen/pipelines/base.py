@@ -218,10 +218,10 @@ class DiffusionFamily(ABC):
 
 
 def channels_last_vae(vae: torch.nn.Module | None) -> bool:
-    """Keep a 2D VAE's weights channels-last, so its convolutions take the faster NHWC path of
-    oneDNN (CPU) and cuDNN (GPU): tiny-flux decodes 14% faster. The sums are the same up to
-    their order (a 256x256 tiny-flux image had 22 of 196,608 values one level apart). Video
-    VAEs (3D convolutions) and MPS keep their layout. True when applied."""
+    """Keep a 2D VAE's weights channels-last, so its convolutions take the NHWC path of oneDNN
+    (CPU) and cuDNN (GPU), their faster layout for these convolutions (docs/benchmarks.md). The
+    sums are the same up to their order, so a pixel can come out one level apart. Video VAEs
+    (3D convolutions) and MPS keep their layout. True when applied."""
     if vae is None:
         return False
     convs = [m for m in vae.modules() if isinstance(m, torch.nn.modules.conv._ConvNd)]

@@ -9,10 +9,10 @@ with the shape of the input:
   of every query/key distance (a log per pair, 512 x 512 pairs for Flux's 512-token prompts)
   and its embedding, rebuilt at every call.
 
-For tiny-flux at 256x256 these took 0.9 ms a step and 13 ms a call. `remember_rope` and
-`remember_relative_bias` keep the last few results (up to 16 MiB each), keyed by what they are
-computed from, and hand back the same tensors: the output does not change by a bit. Only under
-inference mode, where no autograd graph hangs on a kept tensor.
+Rebuilding them is a visible share of a small model's step and call (docs/benchmarks.md).
+`remember_rope` and `remember_relative_bias` keep the last few results (up to 16 MiB each),
+keyed by what they are computed from, and hand back the same tensors: the output does not
+change by a bit. Only under inference mode, where no autograd graph hangs on a kept tensor.
 """
 
 from __future__ import annotations

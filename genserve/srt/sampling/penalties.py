@@ -68,7 +68,7 @@ def token_counts(
     """[B, V] float32 counts of each token id per row, built with one scatter_add.
 
     Ids outside [0, vocab_size) are ignored (they cannot be sampled, so they need no penalty).
-    The ids go through numpy: torch.tensor() on a long Python list is ~10x slower.
+    The ids go through numpy: torch.tensor() converts a long Python list element by element.
     """
     batch = len(token_lists)
     counts = torch.zeros(batch, vocab_size, dtype=torch.float32, device=device)

@@ -7,9 +7,8 @@ radix cache, or n > 1), the shared part is gathered and attended once for the wh
 ("cascade" attention) and merged with each request's own suffix through their log-sum-exps.
 
 Cascade runs for a float32 KV pool only. Its math is float32 (the log-sum-exp merge), where it
-was 1.9x faster than padded SDPA (16 requests in 2 groups sharing 512 tokens, 4.2 vs 7.9 ms a
-layer); with bfloat16 K/V, SDPA's own bf16 kernel was faster than cascade (4.0 vs 4.6 ms; 20 vs
-23 ms for 64 requests in 8 groups), so bf16 batches always take the padded path.
+beats padded SDPA; with bfloat16 K/V, SDPA's own bf16 kernel beats cascade, so bf16 batches
+always take the padded path (docs/benchmarks.md).
 
 Layers with a sliding window or attention-logit soft-capping (Mistral, Gemma 2/3) take the
 padded path with an explicit mask; soft-capping computes the scores itself since SDPA cannot
