@@ -14,6 +14,11 @@
    outputs (pixels in [0, 1]) <= 0.01; PSNR reported.
    The same on the trained demo model (shapes-image, `--demo-threshold`), where the output means
    something: the scorer's accuracy on held-out prompts, cached vs uncached, is reported too.
+4. LoRA batching: target 2 again with every request naming the same LoRA adapter (a rank-4
+   adapter on tiny Flux's attention, loaded with `--lora`): still >= 1.5x.
+5. Step cache on the other families with a cache-dit adapter (tiny Qwen-Image, FLUX.1 Kontext
+   and Fill, Wan image-to-video) at the default threshold (0.08) and at --threshold: speedup
+   and PSNR against the uncached output (median of --repeats pairs).
 
 Run (the full run; a few minutes on a GPU, longer on a CPU):
     python benchmarks/bench_diffusion.py --json-out bench_diffusion.json
@@ -38,7 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def start_server(max_batch_size: int, delay_ms: float, args):
+def start_server(max_batch_size: int, delay_ms: float, args, extra: tuple[str, ...] = ()):
     """`genserve serve` (tiny-flux, no LLM) as its own process on 127.0.0.1, as it is deployed:
     the benchmark's client threads do not share the gateway's interpreter (and its GIL)."""
     import os
@@ -55,7 +60,7 @@ def start_server(max_batch_size: int, delay_ms: float, args):
            "--diffusion-model-path", "tiny-flux", "--dtype", args.dtype, "--device", args.device,
            "--diffusion-max-batch-size", str(max_batch_size),
            "--diffusion-batch-delay-ms", str(delay_ms), "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "warning"]
+           "--port", str(port), "--log-level", "warning", *extra]
     env = dict(os.environ)
     if args.threads:
         env["GENSERVE_NUM_THREADS"] = str(args.threads)
@@ -88,11 +93,14 @@ def start_server(max_batch_size: int, delay_ms: float, args):
     return url, stop
 
 
-def http_generate(http, size: int, steps: int, seed: int, step_cache=False) -> dict:
-    r = http.post("/v1/images/generations", json={
-        "model": "tiny-flux", "prompt": "a red cat on a blue sea", "size": f"{size}x{size}",
-        "num_inference_steps": steps, "seed": seed, "step_cache": step_cache,
-        "output_format": "png"})
+def http_generate(http, size: int, steps: int, seed: int, step_cache=False,
+                  lora: dict | None = None) -> dict:
+    body = {"model": "tiny-flux", "prompt": "a red cat on a blue sea", "size": f"{size}x{size}",
+            "num_inference_steps": steps, "seed": seed, "step_cache": step_cache,
+            "output_format": "png"}
+    if lora:
+        body["lora"] = lora
+    r = http.post("/v1/images/generations", json=body)
     r.raise_for_status()
     return r.json()
 
@@ -208,7 +216,7 @@ def bench_overhead(args) -> dict:
             "target": "<= 1.10 and the same image", "pass": ratio <= 1.10 and same_image}
 
 
-def bench_batching(args, url) -> dict:
+def bench_batching(args, url, lora: dict | None = None) -> dict:
     """After an untimed warm-up of both, --batching-rounds rounds of: the first half of n
     requests one after another, the n at once, then the other half one after another (the
     box's speed drifts within seconds: a burst between the two halves sees the same drift as
@@ -226,13 +234,14 @@ def bench_batching(args, url) -> dict:
         def one_by_one(seeds) -> float:
             t = time.perf_counter()
             for seed in seeds:
-                http_generate(http, args.size, args.steps, seed)
+                http_generate(http, args.size, args.steps, seed, lora=lora)
             return time.perf_counter() - t
 
         def all_at_once() -> float:
             t = time.perf_counter()
-            bodies[:] = pool.map(lambda i: http_generate(http, args.size, args.steps, 100 + i),
-                                 range(n))
+            bodies[:] = pool.map(
+                lambda i: http_generate(http, args.size, args.steps, 100 + i, lora=lora),
+                range(n))
             return time.perf_counter() - t
 
         # Warm-up, untimed: a fresh worker's first call at a new batch size builds its kernels.
@@ -332,6 +341,100 @@ def bench_demo_step_cache(args) -> dict:
             "accuracy_cached": scorer.summarize(acc["on"])}
 
 
+def make_lora(path: Path) -> str:
+    """A rank-4 LoRA with random weights on tiny Flux's attention projections (diffusers'
+    LoRA file format), as a user's adapter would be."""
+    import torch
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from genserve.multimodal_gen.embedded import build_tiny_flux
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        pipe = build_tiny_flux()
+        pipe.transformer.add_adapter(LoraConfig(
+            r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+            init_lora_weights=False))
+    type(pipe).save_lora_weights(path, transformer_lora_layers=get_peft_model_state_dict(
+        pipe.transformer))
+    return str(path)
+
+
+def bench_lora_batching(args) -> dict:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        lora = make_lora(Path(tmp) / "ink")
+        url, stop = start_server(args.concurrency, args.batch_delay_ms, args,
+                                 ("--lora", f"ink={lora}"))
+        try:
+            return bench_batching(args, url, lora={"ink": 1.0})
+        finally:
+            stop()
+
+
+FAMILY_CACHE_MODELS = ("tiny-qwen-image", "tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v")
+
+
+def bench_family_step_cache(args) -> dict:
+    """DBCache on each family with a cache-dit adapter: speedup and PSNR vs uncached."""
+    import io
+
+    from PIL import Image
+
+    from genserve.multimodal_gen.messages import ResolvedRequest, StepCacheConfig
+    from genserve.multimodal_gen.pipelines import LoadOptions, load_model
+
+    size = args.family_size
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, "PNG")
+    picture = buf.getvalue()
+    mask = np.zeros((size, size), dtype=np.uint8)
+    mask[:, size // 2:] = 255
+    buf = io.BytesIO()
+    Image.fromarray(mask).save(buf, "PNG")
+    mask_png = buf.getvalue()
+    results = {}
+    for name in FAMILY_CACHE_MODELS:
+        model = load_model(name, LoadOptions(dtype=args.dtype, device=args.device))
+        spec = model.spec
+        frames = 9 if spec.is_video else 1
+        fields = {}
+        if spec.max_reference_images:
+            fields = dict(reference_images=(picture,), condition_digest="x")
+        if spec.task == "inpainting":
+            fields["mask_image"] = mask_png
+
+        def run(cache, model=model, spec=spec, frames=frames, fields=fields):
+            req = ResolvedRequest("f", spec.name, "a red cat on a blue sea", None, size, size,
+                                  frames, None, args.cache_steps, spec.default_guidance, (7,),
+                                  cache, False, 0, None, None, time.time(), **fields)
+            return model.generate([req], lambda *a: None)
+
+        off = StepCacheConfig()
+        rows = {}
+        for threshold in sorted({StepCacheConfig().residual_diff_threshold, args.threshold}):
+            on = StepCacheConfig(enabled=True, residual_diff_threshold=threshold)
+            run(off), run(on)  # warm-up
+            pairs = []
+            for i in range(args.repeats):
+                pair = (off, on) if i % 2 == 0 else (on, off)
+                outs = {id(cfg): run(cfg) for cfg in pair}
+                pairs.append((outs[id(off)], outs[id(on)]))
+            a = pairs[0][0].frames[0].astype(np.float64) / 255.0
+            b = pairs[0][1].frames[0].astype(np.float64) / 255.0
+            mse = float(((a - b) ** 2).mean())
+            rows[str(threshold)] = {
+                "cached_steps": pairs[0][1].cached_steps,
+                "speedup": statistics.median(x.timings["denoise"] / y.timings["denoise"]
+                                             for x, y in pairs),
+                "psnr_db": float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)}
+        results[name] = {"steps": args.cache_steps, "size": size, "frames": frames, **rows}
+    return results
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=int, default=256)
@@ -353,7 +456,10 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--only", choices=("overhead", "batching", "step_cache"), default=None)
+    p.add_argument("--family-size", type=int, default=128,
+                   help="picture size for target 5 (videos: 9 frames)")
+    p.add_argument("--only", choices=("overhead", "batching", "step_cache", "lora",
+                                      "families"), default=None)
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     if args.threads:
@@ -376,6 +482,13 @@ def main(argv=None) -> int:
         print("3. step cache:", json.dumps(results["step_cache"]), flush=True)
         results["step_cache_demo"] = bench_demo_step_cache(args)
         print("3b. step cache on shapes-image:", json.dumps(results["step_cache_demo"]),
+              flush=True)
+    if args.only in (None, "lora"):
+        results["lora_batching"] = bench_lora_batching(args)
+        print("4. LoRA batching:", json.dumps(results["lora_batching"]), flush=True)
+    if args.only in (None, "families"):
+        results["family_step_cache"] = bench_family_step_cache(args)
+        print("5. step cache per family:", json.dumps(results["family_step_cache"]),
               flush=True)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))

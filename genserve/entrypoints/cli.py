@@ -58,7 +58,21 @@ def _add_diffusion_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--step-cache-threshold", type=float, default=None)
     g.add_argument("--diffusion-max-batch-size", type=int, default=4)
     g.add_argument("--diffusion-batch-delay-ms", type=float, default=10.0)
-    g.add_argument("--diffusion-cpu-offload", action="store_true")
+    g.add_argument("--diffusion-cpu-offload", action="store_true",
+                   help="The same as --diffusion-offload model.")
+    g.add_argument("--diffusion-offload", default="none", choices=("none", "model", "sequential"),
+                   help="Keep weights in host memory and move them to the GPU per component "
+                        "(model) or per layer (sequential).")
+    g.add_argument("--diffusion-vae-tiling", action="store_true",
+                   help="Decode large pictures in tiles (bounded VAE memory).")
+    g.add_argument("--diffusion-vae-slicing", action="store_true",
+                   help="Decode a batch one picture at a time.")
+    g.add_argument("--diffusion-quantization", default="none", choices=("none", "int8wo"),
+                   help="Weight-only int8 quantization of the denoiser (torchao).")
+    g.add_argument("--lora", action="append", default=None, metavar="[MODEL:]NAME=PATH",
+                   help="Load a LoRA adapter at start under NAME (repeatable); requests pick "
+                        "adapters with \"lora\": {NAME: scale}. Without MODEL it is loaded "
+                        "into every diffusion model, each of which it must fit.")
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:

@@ -13,7 +13,8 @@ import threading
 import torch
 
 # tiny-flux and tiny-wan are served by default; the others exist to exercise their families.
-EMBEDDED_NAMES = ("tiny-flux", "tiny-wan", "tiny-sd3", "tiny-sd", "tiny-ltx")
+EMBEDDED_NAMES = ("tiny-flux", "tiny-wan", "tiny-sd3", "tiny-sd", "tiny-ltx", "tiny-sdxl",
+                  "tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v", "tiny-qwen-image")
 _VOCAB_WORDS = (
     "a an the of and with in on at to red green blue yellow white black orange purple cat dog "
     "bird car tree house sky sea sun moon city forest mountain river flower portrait photo "
@@ -91,19 +92,15 @@ def _tiny_t5_encoder(hidden: int, umt5: bool = False):
     return model_cls(config).eval()
 
 
-def build_tiny_flux():
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        FluxPipeline,
-        FluxTransformer2DModel,
-    )
+def _tiny_flux_parts(in_channels: int = 16, out_channels: int | None = None) -> dict:
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
     # Latents: 4 channels at 1/8 resolution (as real Flux's VAE: size multiple of 16), packed
-    # 2x2 into 16-channel tokens.
+    # 2x2 into 16-channel tokens. Fill adds the masked image's tokens and the packed mask.
     transformer = FluxTransformer2DModel(
         patch_size=1,
-        in_channels=16,
+        in_channels=in_channels,
+        out_channels=out_channels,
         num_layers=1,
         num_single_layers=4,
         attention_head_dim=16,
@@ -127,7 +124,7 @@ def build_tiny_flux():
         shift_factor=0.0609,
         scaling_factor=1.5035,
     )
-    return FluxPipeline(
+    return dict(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,
         text_encoder=_tiny_clip_encoder(32),
@@ -138,19 +135,35 @@ def build_tiny_flux():
     )
 
 
-def build_tiny_wan():
-    from diffusers import (
-        AutoencoderKLWan,
-        FlowMatchEulerDiscreteScheduler,
-        WanPipeline,
-        WanTransformer3DModel,
-    )
+def build_tiny_flux():
+    from diffusers import FluxPipeline
+
+    return FluxPipeline(**_tiny_flux_parts())
+
+
+def build_tiny_flux_kontext():
+    from diffusers import FluxKontextPipeline
+
+    # The reference image's tokens join the sequence: the same transformer shape as Flux.
+    return FluxKontextPipeline(**_tiny_flux_parts())
+
+
+def build_tiny_flux_fill():
+    from diffusers import FluxFillPipeline
+
+    # Per token: 16 noisy + 16 masked-image channels + the 8x8 mask pixels of its 2x2 latent
+    # patch (4 * 64), as FLUX.1 Fill's 64 + 64 + 256.
+    return FluxFillPipeline(**_tiny_flux_parts(in_channels=16 + 16 + 256, out_channels=16))
+
+
+def _tiny_wan_parts(in_channels: int = 4) -> dict:
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=12,
-        in_channels=4,
+        in_channels=in_channels,
         out_channels=4,
         text_dim=32,
         freq_dim=32,
@@ -170,13 +183,28 @@ def build_tiny_wan():
         latents_mean=[0.0] * 4,
         latents_std=[1.0] * 4,
     )
-    return WanPipeline(
+    return dict(
         tokenizer=_word_tokenizer(16, eos="</s>", pad="<pad>"),
         text_encoder=_tiny_t5_encoder(32, umt5=True),
         vae=vae,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         transformer=transformer,
     )
+
+
+def build_tiny_wan():
+    from diffusers import WanPipeline
+
+    return WanPipeline(**_tiny_wan_parts())
+
+
+def build_tiny_wan_i2v():
+    from diffusers import WanImageToVideoPipeline
+
+    # Wan 2.2 image-to-video without a CLIP image encoder: the transformer reads the noisy
+    # latents, the encoded first frame (4 channels) and the frame mask (4, one per VAE time
+    # step) stacked on the channel axis.
+    return WanImageToVideoPipeline(**_tiny_wan_parts(in_channels=4 + 4 + 4))
 
 
 def _tiny_image_vae(latent_channels: int = 4, **kwargs):
@@ -233,6 +261,32 @@ def build_tiny_sd():
     )
 
 
+def build_tiny_sdxl():
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+
+    # SDXL conditions the UNet on both encoders' penultimate states (32 + 32 channels) and, by
+    # its micro-conditioning, on the pooled text (32) plus six size numbers (original size,
+    # crop corner, target size) embedded in 8 channels each.
+    unet = UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(16, 32), down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=64,
+        attention_head_dim=8, norm_num_groups=8, use_linear_projection=True,
+        addition_embed_type="text_time", addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=6 * 8 + 32,
+    )
+    return StableDiffusionXLPipeline(
+        vae=_tiny_image_vae(scaling_factor=0.13025), text_encoder=_tiny_clip_encoder(32),
+        text_encoder_2=_tiny_clip_encoder(32, with_projection=True),
+        tokenizer=_word_tokenizer(16, eos="</s>", pad="<pad>", bos="<s>"),
+        tokenizer_2=_word_tokenizer(16, eos="</s>", pad="<pad>", bos="<s>"), unet=unet,
+        scheduler=EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012,
+                                         beta_schedule="scaled_linear",
+                                         timestep_spacing="leading", steps_offset=1),
+        add_watermarker=False,
+    )
+
+
 def build_tiny_ltx():
     from diffusers import (
         AutoencoderKLLTXVideo,
@@ -263,26 +317,40 @@ def build_tiny_ltx():
     )
 
 
+def build_tiny_qwen_image():
+    from genserve.multimodal_gen.embedded_qwen import build_tiny_qwen_image as build
+
+    return build()
+
+
 _BUILDERS = {
     "tiny-flux": build_tiny_flux,
     "tiny-wan": build_tiny_wan,
     "tiny-sd3": build_tiny_sd3,
     "tiny-sd": build_tiny_sd,
     "tiny-ltx": build_tiny_ltx,
+    "tiny-sdxl": build_tiny_sdxl,
+    "tiny-flux-kontext": build_tiny_flux_kontext,
+    "tiny-flux-fill": build_tiny_flux_fill,
+    "tiny-wan-i2v": build_tiny_wan_i2v,
+    "tiny-qwen-image": build_tiny_qwen_image,
 }
 
 
-def build_embedded(name: str, seed: int = 0):
-    """The embedded pipeline `name` with weights from torch seed `seed`; built once per process
-    (later calls return the same instance, float32 on CPU)."""
+def build_embedded(name: str, seed: int = 0, shared: bool = True):
+    """The embedded pipeline `name` with weights from torch seed `seed`, float32 on CPU. Shared:
+    built once per process (later calls return the same instance); not shared: a new instance,
+    for a model whose weights will be changed (LoRA adapters, quantization)."""
     if name not in _BUILDERS:
         raise KeyError(f"unknown embedded diffusion model {name!r}; have {list(_BUILDERS)}")
     with _lock:
-        if name not in _cache:
-            # A private generator stream, so building does not disturb the caller's RNG state.
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                pipe = _BUILDERS[name]()
-            pipe.set_progress_bar_config(disable=True)
+        if shared and name in _cache:
+            return _cache[name]
+        # A private generator stream, so building does not disturb the caller's RNG state.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            pipe = _BUILDERS[name]()
+        pipe.set_progress_bar_config(disable=True)
+        if shared:
             _cache[name] = pipe
-        return _cache[name]
+        return pipe

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from genserve.multimodal_gen.encoding import encode_image, encode_mp4
     from genserve.multimodal_gen.launch import default_step_cache_from_args
     from genserve.multimodal_gen.malloc_tuning import tune_malloc
-    from genserve.multimodal_gen.pipelines import LoadOptions, load_model
+    from genserve.multimodal_gen.pipelines import load_model
 
     tune_malloc()
     output = Path(args.output)
@@ -81,13 +81,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"genserve generate: --output must end in .png, .jpg, .webp or .mp4, got {output}",
               file=sys.stderr)
         return 2
-    options = LoadOptions(dtype=getattr(args, "dtype", None) or "auto",
-                          device=getattr(args, "device", None) or "auto",
-                          cpu_offload=bool(getattr(args, "diffusion_cpu_offload", False)))
-    model = load_model(_model_name(args, output), options)
+    from genserve.multimodal_gen.launch import worker_config_from_args
+
+    path = _model_name(args, output)
+    # The serve flags' load options: dtype, device, memory options, LoRA adapters.
+    model = load_model(path, worker_config_from_args([path], args).options_for(path))
     spec = model.spec
-    if (spec.task == TEXT_TO_VIDEO) != (suffix == ".mp4"):
-        kind = "a video (.mp4)" if spec.task == TEXT_TO_VIDEO else "an image (.png/.jpg/.webp)"
+    if (spec.is_video) != (suffix == ".mp4"):
+        kind = "a video (.mp4)" if spec.is_video else "an image (.png/.jpg/.webp)"
         print(f"genserve generate: model {spec.name} makes {kind}; change --output",
               file=sys.stderr)
         return 2

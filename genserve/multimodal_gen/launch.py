@@ -14,7 +14,17 @@ DEFAULT_MODELS = ("shapes-image", "shapes-video")
 # Every model known by name: the demo models and the embedded random-weight pipelines (mirrors
 # embedded.EMBEDDED_NAMES, which imports torch).
 EMBEDDED_MODELS = ("shapes-image", "shapes-video", "tiny-flux", "tiny-wan", "tiny-sd3",
-                   "tiny-sd", "tiny-ltx")
+                   "tiny-sd", "tiny-ltx", "tiny-sdxl", "tiny-flux-kontext", "tiny-flux-fill",
+                   "tiny-wan-i2v", "tiny-qwen-image")
+
+
+def parse_lora_arg(value: str) -> tuple[str, str, str]:
+    """`[MODEL:]NAME=PATH` -> (model or "", name, path); ValueError with the expected form."""
+    head, sep, path = value.partition("=")
+    model, _, name = head.rpartition(":")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora must look like NAME=PATH or MODEL:NAME=PATH, got {value!r}")
+    return model, name, path
 
 
 def worker_config_from_args(model_paths: list[str] | None, args: Any):
@@ -25,6 +35,11 @@ def worker_config_from_args(model_paths: list[str] | None, args: Any):
         dtype=getattr(args, "dtype", None) or "auto",
         device=getattr(args, "device", None) or "auto",
         cpu_offload=bool(getattr(args, "diffusion_cpu_offload", False)),
+        offload=getattr(args, "diffusion_offload", None) or "none",
+        vae_tiling=bool(getattr(args, "diffusion_vae_tiling", False)),
+        vae_slicing=bool(getattr(args, "diffusion_vae_slicing", False)),
+        quantization=getattr(args, "diffusion_quantization", None) or "none",
+        loras=tuple(parse_lora_arg(v) for v in getattr(args, "lora", None) or ()),
         max_batch_size=int(getattr(args, "diffusion_max_batch_size", None) or 4),
         batch_delay_ms=float(getattr(args, "diffusion_batch_delay_ms", None) or 10.0),
         num_threads=envs.GENSERVE_NUM_THREADS.get(),

@@ -13,7 +13,13 @@ import numpy as np
 
 TEXT_TO_IMAGE = "text-to-image"
 TEXT_TO_VIDEO = "text-to-video"
-TASKS = (TEXT_TO_IMAGE, TEXT_TO_VIDEO)
+IMAGE_EDIT = "image-edit"  # an instruction applied to one or more reference images
+INPAINTING = "inpainting"  # repaint the white part of a mask over an image
+IMAGE_TO_VIDEO = "image-to-video"  # a video that starts from a reference image
+TASKS = (TEXT_TO_IMAGE, TEXT_TO_VIDEO, IMAGE_EDIT, INPAINTING, IMAGE_TO_VIDEO)
+VIDEO_TASKS = (TEXT_TO_VIDEO, IMAGE_TO_VIDEO)
+# Tasks whose requests must bring reference images (and, for inpainting, a mask).
+IMAGE_INPUT_TASKS = (IMAGE_EDIT, INPAINTING, IMAGE_TO_VIDEO)
 
 # ErrorEvent.status values (HTTP semantics).
 STATUS_BAD_INPUT = 400
@@ -86,6 +92,12 @@ class DiffusionRequest:
     preview_decode_every: int = 0
     init_image: bytes | None = None  # encoded image (PNG/JPEG/WebP) for image-to-image
     strength: float | None = None  # image-to-image: fraction of the schedule re-noised
+    # Encoded images the model is conditioned on (edit, inpainting, image-to-video), and the
+    # inpainting mask (white = repaint), the size of the first image.
+    reference_images: tuple[bytes, ...] = ()
+    mask_image: bytes | None = None
+    # LoRA adapters loaded at start (by name) and their scales; None or {} = none.
+    loras: dict[str, float] | None = None
     # False: no StepEvent (only the result), for callers that wait for the end: each event
     # wakes the gateway twice while the worker's threads are busy denoising.
     progress: bool = True
@@ -140,8 +152,8 @@ class ModelSpec:
     """Static facts of one served diffusion model, used for validation and /v1/models."""
 
     name: str
-    task: str  # TEXT_TO_IMAGE | TEXT_TO_VIDEO
-    family: str  # "flux", "sd3", "sd", "wan", "ltx"
+    task: str  # one of TASKS
+    family: str  # "flux", "sd3", "sd", "wan", "ltx", "sdxl", "qwen-image", ...
     size_factor: int  # width and height must be multiples of this
     max_pixels: int  # width * height cap
     default_width: int
@@ -162,6 +174,10 @@ class ModelSpec:
     square_only: bool = False  # width must equal height
     native_size: str | None = None  # drawn at this size; larger sizes are upscaled (bilinear)
     prompt_grammar: str | None = None  # the prompts the model understands, when it is narrow
+    max_reference_images: int = 0  # reference images a request may bring (IMAGE_INPUT_TASKS)
+    lora_adapters: tuple[str, ...] = ()  # LoRA adapters loaded at start
+    scheduler: tuple[tuple[str, Any], ...] = ()  # the checkpoint's scheduler: class, settings
+    step_cache: bool = True  # the denoiser supports the step cache
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -170,6 +186,13 @@ class ModelSpec:
             raise ValueError("size_factor and max_pixels must be positive")
         if not self.min_steps <= self.default_steps <= self.max_steps:
             raise ValueError("default_steps must lie in [min_steps, max_steps]")
+        if (self.task in IMAGE_INPUT_TASKS) != (self.max_reference_images > 0):
+            raise ValueError(f"a {self.task} model takes reference images exactly when its task "
+                             f"is one of {IMAGE_INPUT_TASKS}")
+
+    @property
+    def is_video(self) -> bool:
+        return self.task in VIDEO_TASKS
 
     def frame_count_ok(self, num_frames: int) -> bool:
         """Whether the model can produce exactly `num_frames` frames."""
@@ -195,8 +218,18 @@ class ModelSpec:
             "size_factor": self.size_factor,
             "max_pixels": self.max_pixels,
             "default_steps": self.default_steps,
+            "default_guidance": self.default_guidance,
+            "step_cache": self.step_cache,
         }
-        if self.task == TEXT_TO_VIDEO:
+        if self.task in IMAGE_INPUT_TASKS:
+            card["max_reference_images"] = self.max_reference_images
+        if self.supports_image_to_image:
+            card["image_to_image"] = True
+        if self.lora_adapters:
+            card["lora_adapters"] = list(self.lora_adapters)
+        if self.scheduler:
+            card["scheduler"] = dict(self.scheduler)
+        if self.is_video:
             card.update(
                 default_num_frames=self.default_num_frames,
                 frame_rule=self.frame_rule,
@@ -266,6 +299,12 @@ class ResolvedRequest:
     strength: float | None
     submitted_at: float  # time.time() when the gateway accepted it
     progress: bool = True  # StepEvents wanted (they are always sent with previews)
+    reference_images: tuple[bytes, ...] = ()
+    mask_image: bytes | None = None
+    # Identifies reference_images + mask_image (empty without them): requests conditioned on
+    # different images never share a pipeline call, which takes one set for all its rows.
+    condition_digest: str = ""
+    loras: tuple[tuple[str, float], ...] = ()  # (adapter, scale), sorted by name
 
     @property
     def num_outputs(self) -> int:
@@ -288,5 +327,7 @@ class ResolvedRequest:
             self.guidance_scale,
             self.negative_prompt is not None,
             self.step_cache,
+            self.condition_digest,
+            self.loras,
             alone,
         )

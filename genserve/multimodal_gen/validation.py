@@ -6,11 +6,14 @@ Every message says what was wrong and what would be accepted; nothing is rounded
 
 from __future__ import annotations
 
+import hashlib
+import io
 import random
 import time
 
 from genserve.multimodal_gen.messages import (
-    TEXT_TO_VIDEO,
+    IMAGE_INPUT_TASKS,
+    INPAINTING,
     DiffusionRequest,
     ModelSpec,
     ResolvedRequest,
@@ -18,6 +21,7 @@ from genserve.multimodal_gen.messages import (
 )
 
 MAX_OUTPUTS = 8
+MAX_LORA_SCALE = 8.0
 MAX_SEED = 2**63 - 1
 
 
@@ -55,7 +59,7 @@ def _check_size(width: int, height: int, spec: ModelSpec) -> None:
 
 
 def _check_frames(num_frames: int, spec: ModelSpec) -> None:
-    if spec.task != TEXT_TO_VIDEO:
+    if not spec.is_video:
         if num_frames != 1:
             raise ValueError(f"model {spec.name} makes images; num_frames must be 1")
         return
@@ -91,6 +95,83 @@ def _check_steps_guidance(steps: int, guidance: float, spec: ModelSpec) -> None:
         )
 
 
+def _image_size(data: bytes, what: str) -> tuple[int, int]:
+    """(width, height) of an encoded image; ValueError when PIL cannot decode it."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            return image.size
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise ValueError(f"{what} could not be decoded as an image (PNG, JPEG or WebP): "
+                         f"{exc}") from None
+
+
+def _check_conditions(req: DiffusionRequest, spec: ModelSpec) -> tuple[int, int] | None:
+    """Check the reference images and mask against the model's task; returns the first image's
+    size (None without images)."""
+    images, mask = req.reference_images, req.mask_image
+    if spec.task not in IMAGE_INPUT_TASKS:
+        if images:
+            raise ValueError(f"model {spec.name} is a {spec.task} model and takes no reference "
+                             "image; use an image-edit, inpainting or image-to-video model")
+        if mask is not None:
+            raise ValueError(f"model {spec.name} does not inpaint (it takes no mask); use an "
+                             "inpainting model such as tiny-flux-fill")
+        return None
+    if not images:
+        raise ValueError(f"model {spec.name} ({spec.task}) needs a reference image")
+    if len(images) > spec.max_reference_images:
+        raise ValueError(f"model {spec.name} takes at most {spec.max_reference_images} "
+                         f"reference image(s), got {len(images)}")
+    sizes = [_image_size(data, f"reference image {i + 1}") for i, data in enumerate(images)]
+    if spec.task == INPAINTING:
+        if mask is None:
+            raise ValueError(f"model {spec.name} inpaints: the request needs a mask (white = "
+                             "repaint, black = keep) the size of the image")
+        mask_size = _image_size(mask, "the mask")
+        if mask_size != sizes[0]:
+            raise ValueError(f"the mask is {mask_size[0]}x{mask_size[1]} but the image is "
+                             f"{sizes[0][0]}x{sizes[0][1]}; they must be the same size")
+    elif mask is not None:
+        raise ValueError(f"model {spec.name} ({spec.task}) takes no mask; inpainting needs an "
+                         "inpainting model such as tiny-flux-fill")
+    return sizes[0]
+
+
+def _size_from_image(size: tuple[int, int], spec: ModelSpec) -> tuple[int, int]:
+    """The output size for an image-conditioned request that names none: the reference image's,
+    scaled down to the pixel cap and rounded down to the size factor."""
+    w, h = size
+    scale = min(1.0, (spec.max_pixels / (w * h)) ** 0.5)
+    f = spec.size_factor
+    return max(f, int(w * scale) // f * f), max(f, int(h * scale) // f * f)
+
+
+def _check_loras(req: DiffusionRequest, spec: ModelSpec) -> tuple[tuple[str, float], ...]:
+    loras = req.loras or {}
+    for name, scale in loras.items():
+        if name not in spec.lora_adapters:
+            have = ", ".join(spec.lora_adapters) or "none"
+            raise ValueError(f"LoRA adapter {name!r} is not loaded for model {spec.name} "
+                             f"(loaded: {have}; adapters are loaded at start with --lora)")
+        if not isinstance(scale, int | float) or not -MAX_LORA_SCALE <= scale <= MAX_LORA_SCALE:
+            raise ValueError(f"LoRA scale of {name!r} must be a number between "
+                             f"{-MAX_LORA_SCALE} and {MAX_LORA_SCALE}, got {scale!r}")
+    return tuple(sorted((name, float(scale)) for name, scale in loras.items()))
+
+
+def _digest(req: DiffusionRequest) -> str:
+    if not req.reference_images and req.mask_image is None:
+        return ""
+    h = hashlib.sha256()
+    for data in (*req.reference_images, req.mask_image or b""):
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
 def resolve_request(
     req: DiffusionRequest, spec: ModelSpec, default_step_cache: StepCacheConfig
 ) -> ResolvedRequest:
@@ -99,8 +180,12 @@ def resolve_request(
         raise ValueError("prompt must not be empty")
     if req.num_outputs > MAX_OUTPUTS:
         raise ValueError(f"n must be between 1 and {MAX_OUTPUTS}, got {req.num_outputs}")
-    width = spec.default_width if req.width is None else int(req.width)
-    height = spec.default_height if req.height is None else int(req.height)
+    image_size = _check_conditions(req, spec)
+    default_w, default_h = spec.default_width, spec.default_height
+    if image_size is not None:
+        default_w, default_h = _size_from_image(image_size, spec)
+    width = default_w if req.width is None else int(req.width)
+    height = default_h if req.height is None else int(req.height)
     _check_size(width, height, spec)
     num_frames = spec.default_num_frames if req.num_frames is None else int(req.num_frames)
     _check_frames(num_frames, spec)
@@ -141,4 +226,8 @@ def resolve_request(
         strength=strength,
         submitted_at=time.time(),
         progress=req.progress,
+        reference_images=tuple(req.reference_images),
+        mask_image=req.mask_image,
+        condition_digest=_digest(req),
+        loras=_check_loras(req, spec),
     )

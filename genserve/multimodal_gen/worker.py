@@ -52,6 +52,12 @@ class WorkerConfig:
     dtype: str = "auto"
     device: str = "auto"
     cpu_offload: bool = False
+    offload: str = "none"  # none | model | sequential (pipelines/memory.py)
+    vae_tiling: bool = False
+    vae_slicing: bool = False
+    quantization: str = "none"  # none | int8wo: the denoiser's weights
+    # LoRA adapters (model, name, path); model "" = every served model, each must fit.
+    loras: tuple[tuple[str, str, str], ...] = ()
     max_batch_size: int = 4
     batch_delay_ms: float = 10.0
     num_threads: int = 0  # torch intra-op threads (0 = torch default)
@@ -63,6 +69,20 @@ class WorkerConfig:
             raise ValueError(f"diffusion max batch size must be >= 1, got {self.max_batch_size}")
         if self.batch_delay_ms < 0:
             raise ValueError(f"diffusion batch delay must be >= 0 ms, got {self.batch_delay_ms}")
+        names = [name for _, name, _ in self.loras]
+        if len(names) != len(set(names)):
+            raise ValueError(f"two LoRA adapters share a name: {names}")
+
+    def options_for(self, model_path: str):
+        """The load options of one served model: memory options and its LoRA adapters."""
+        from genserve.multimodal_gen.pipelines import LoadOptions, MemoryOptions
+
+        loras = tuple((name, path) for model, name, path in self.loras
+                      if model in ("", model_path))
+        return LoadOptions(dtype=self.dtype, device=self.device, cpu_offload=self.cpu_offload,
+                           memory=MemoryOptions(self.offload, self.vae_tiling, self.vae_slicing,
+                                                self.quantization),
+                           loras=loras)
 
 
 @dataclass
@@ -220,17 +240,15 @@ def worker_main(config: WorkerConfig, inbox: Any, outbox: Any) -> None:
     try:
         import torch
 
-        from genserve.multimodal_gen.pipelines import LoadOptions, load_model
+        from genserve.multimodal_gen.pipelines import load_model
 
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
-        options = LoadOptions(dtype=config.dtype, device=config.device,
-                              cpu_offload=config.cpu_offload)
         worker = _Worker(config, inbox, outbox,
                          batcher=RequestBatcher(config.max_batch_size,
                                                 config.batch_delay_ms / 1000.0))
         for path in config.model_paths:
-            model = load_model(path, options)
+            model = load_model(path, config.options_for(path))
             if model.name in worker.models:
                 raise ValueError(f"two diffusion models are named {model.name!r}")
             worker.models[model.name] = model

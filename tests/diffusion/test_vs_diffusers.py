@@ -9,6 +9,10 @@ diffusers loads from the same folder, untouched by genserve (no batch-invariant 
 channels-last VAE, no kept position tables). The tiny Wan and LTX VAEs get non-trivial latent
 mean / std / scaling so that applying them the wrong way round cannot go unnoticed.
 
+The image-conditioned families (Kontext, Fill, Wan image-to-video) get the same reference image
+(and mask) on both sides; a batch shares one set, as genserve batches only requests with the
+same images.
+
 Tolerance: genserve's uint8 value is within 1 level of diffusers' float output times 255 (a
 rounding step plus float noise from a different summation order); a wrong factor moves most
 values by many levels.
@@ -16,6 +20,7 @@ values by many levels.
 
 from __future__ import annotations
 
+import io
 import time
 
 import diffusers
@@ -36,7 +41,7 @@ TOLERANCE = 1.0  # uint8 levels, at every value
 def _odd_latent_statistics(name: str, pipe) -> None:
     """Latent normalisation that is not the identity, saved with the folder."""
     vae = pipe.vae
-    if name == "tiny-wan":
+    if name in ("tiny-wan", "tiny-wan-i2v", "tiny-qwen-image", "tiny-sdxl"):
         vae.register_to_config(latents_mean=[0.3, -0.2, 0.1, 0.5],
                                latents_std=[2.0, 0.5, 1.5, 0.8])
     elif name == "tiny-ltx":
@@ -53,17 +58,56 @@ FAMILIES = [
     ("tiny-sd", 32, 1, 4.0),
     ("tiny-wan", 32, 5, 2.0),
     ("tiny-ltx", 64, 9, 3.0),
+    ("tiny-sdxl", 32, 1, 4.0),
+    ("tiny-qwen-image", 32, 1, 2.5),
+    ("tiny-flux-kontext", 32, 1, 2.5),
+    ("tiny-flux-fill", 32, 1, 10.0),
+    ("tiny-wan-i2v", 32, 5, 2.0),
 ]
 
 
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _conditions(name: str, size: int, rows: int) -> tuple[dict, dict]:
+    """(diffusers kwargs, genserve request fields) of an image-conditioned family: a seeded
+    noise picture, and for inpainting a mask whose right half is white (repaint)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    image = Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+    mask = np.zeros((size, size), dtype=np.uint8)
+    mask[:, size // 2:] = 255
+    if name == "tiny-flux-kontext":
+        # genserve keeps the requested size (the pipeline would rescale to 1024x1024).
+        ref = dict(image=image, max_area=size * size, _auto_resize=False)
+    elif name == "tiny-flux-fill":
+        # One per row, as genserve passes them: the masked image's latents are sampled with
+        # each row's own generator.
+        ref = dict(image=[image] * rows, mask_image=[Image.fromarray(mask)] * rows)
+    elif name == "tiny-wan-i2v":
+        ref = dict(image=image)
+    else:
+        return {}, {}
+    fields = dict(reference_images=(_png(image),), condition_digest="same")
+    if "mask_image" in ref:
+        fields["mask_image"] = _png(Image.fromarray(mask))
+    return ref, fields
+
+
 def _request(rid: str, prompt: str, seed: int, size: int, frames: int, guidance: float,
-             steps: int = 2) -> ResolvedRequest:
+             steps: int = 2, **fields) -> ResolvedRequest:
     return ResolvedRequest(rid, "m", prompt, None, size, size, frames, None, steps, guidance,
-                           (seed,), StepCacheConfig(), False, 0, None, None, time.time())
+                           (seed,), StepCacheConfig(), False, 0, None, None, time.time(),
+                           **fields)
 
 
-def _product(model, rows, size, frames, guidance) -> list[np.ndarray]:
-    batch = [_request(f"r{i}", p, s, size, frames, guidance) for i, (p, s) in enumerate(rows)]
+def _product(model, rows, size, frames, guidance, **fields) -> list[np.ndarray]:
+    batch = [_request(f"r{i}", p, s, size, frames, guidance, **fields)
+             for i, (p, s) in enumerate(rows)]
     return model.generate(batch, lambda *_: None).frames  # per row uint8 [F, H, W, 3]
 
 
@@ -101,11 +145,14 @@ def test_family_equals_diffusers_alone_and_batched(name, size, frames, guidance,
         kwargs["num_frames"] = frames
     if name == "tiny-ltx":
         kwargs["frame_rate"] = 24  # what genserve passes when a request names no fps
-
-    want_alone = _reference(ref, ROWS[:1], **kwargs)
-    want_batch = _reference(ref, ROWS, **kwargs)
-    got_alone = _product(model, ROWS[:1], size, frames, guidance)
-    got_batch = _product(model, ROWS, size, frames, guidance)
+    if name == "tiny-qwen-image":
+        # Qwen-Image guides with a negative prompt; genserve's is " " when a request has none.
+        kwargs = dict(height=size, width=size, true_cfg_scale=guidance, negative_prompt=" ")
+    want_alone = _reference(ref, ROWS[:1], **kwargs, **_conditions(name, size, 1)[0])
+    condition, fields = _conditions(name, size, len(ROWS))
+    want_batch = _reference(ref, ROWS, **kwargs, **condition)
+    got_alone = _product(model, ROWS[:1], size, frames, guidance, **fields)
+    got_batch = _product(model, ROWS, size, frames, guidance, **fields)
     assert got_alone[0].shape == (frames, size, size, 3)
     _assert_close(got_alone[0], want_alone[0], 255.0)
     for i in range(len(ROWS)):

@@ -62,6 +62,8 @@ class DiffusionParams(BaseModel):
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     step_cache: StepCacheField = None
+    # LoRA adapters loaded at start (--lora) and their scales, e.g. {"ink": 0.8}.
+    lora: dict[str, float] | None = None
     user: str | None = None  # accepted for OpenAI compatibility, unused
 
     @field_validator("step_cache", mode="before")
@@ -74,23 +76,36 @@ class DiffusionParams(BaseModel):
             return v.lower() == "true"
         return v
 
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_from_form(cls, v: Any) -> Any:
+        if isinstance(v, str):  # a multipart form carries the object as JSON text
+            try:
+                return json.loads(v)
+            except ValueError:
+                raise ValueError('lora must be an object of adapter scales, e.g. '
+                                 '{"ink": 0.8}') from None
+        return v
 
-async def read_form(request: Request, model: type[BaseModel], file_fields: tuple[str, ...]
-                    ) -> tuple[BaseModel, dict[str, bytes]]:
-    """Parse a multipart (or urlencoded) form into `model` plus the raw bytes of file fields.
-    Bad fields become the usual 400 envelope."""
+
+async def read_form(request: Request, model: type[BaseModel], file_fields: tuple[str, ...],
+                    multi_files: tuple[str, ...] = ()
+                    ) -> tuple[BaseModel, dict[str, list[bytes]]]:
+    """Parse a multipart (or urlencoded) form into `model` plus the raw bytes of file fields,
+    in upload order (`image` and `image[]` are one field). Only the fields of `multi_files` may
+    come more than once. Bad fields become the usual 400 envelope."""
     try:
         form = await request.form()
     except Exception as exc:  # malformed multipart body
         raise bad_request(f"could not read the form body: {exc}") from None
     fields: dict[str, Any] = {}
-    files: dict[str, bytes] = {}
+    files: dict[str, list[bytes]] = {}
     for key, value in form.multi_items():
         name = key[:-2] if key.endswith("[]") else key
         if hasattr(value, "read"):
-            if name in files:
+            if name in files and name not in multi_files:
                 raise bad_request(f"only one {name!r} file is accepted", param=name)
-            files[name] = await value.read()
+            files.setdefault(name, []).append(await value.read())
         elif name in file_fields:
             raise bad_request(f"{name!r} must be uploaded as a file", param=name)
         else:
@@ -103,7 +118,7 @@ async def read_form(request: Request, model: type[BaseModel], file_fields: tuple
 
 async def read_json_or_form(request: Request, model: type[BaseModel],
                             file_fields: tuple[str, ...] = ()
-                            ) -> tuple[BaseModel, dict[str, bytes]]:
+                            ) -> tuple[BaseModel, dict[str, list[bytes]]]:
     """JSON bodies and multipart forms (the openai client sends /v1/videos as multipart)."""
     content_type = request.headers.get("content-type", "")
     if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):

@@ -14,9 +14,13 @@ from genserve.entrypoints.errors import APIError, bad_request, model_not_found
 from genserve.entrypoints.metrics import GatewayMetrics
 from genserve.multimodal_gen.client import DiffusionClient
 from genserve.multimodal_gen.messages import (
+    IMAGE_EDIT,
+    IMAGE_TO_VIDEO,
+    INPAINTING,
     STATUS_BAD_INPUT,
     STATUS_CANCELLED,
     STATUS_UNKNOWN_MODEL,
+    TEXT_TO_IMAGE,
     TEXT_TO_VIDEO,
     DiffusionEvent,
     DiffusionRequest,
@@ -39,21 +43,35 @@ def error_from_event(event: ErrorEvent) -> APIError:
     return APIError(event.status, event.message)
 
 
-def resolve_model(client: DiffusionClient, model: str | None, task: str,
+# The endpoint that serves each task.
+TASK_ENDPOINTS = {
+    TEXT_TO_IMAGE: "/v1/images/generations",
+    IMAGE_EDIT: "/v1/images/edits",
+    INPAINTING: "/v1/images/edits (with a mask)",
+    TEXT_TO_VIDEO: "/v1/videos",
+    IMAGE_TO_VIDEO: "/v1/videos (with an input_reference image)",
+}
+
+
+def resolve_model(client: DiffusionClient, model: str | None, tasks: str | tuple[str, ...],
                   endpoint: str) -> ModelSpec:
-    """The spec of the requested model (or the task's default); 404 unknown, 400 wrong task."""
+    """The spec of the requested model (or the first task's default); 404 unknown, 400 when
+    the model's task is none of `tasks`."""
+    tasks = (tasks,) if isinstance(tasks, str) else tasks
     if not model:
-        model = client.default_model(task)
+        model = next((m for t in tasks if (m := client.default_model(t))), None)
         if model is None:
-            raise bad_request(f"this server has no {task} model; pass `model`", param="model")
+            raise bad_request(f"this server has no {' or '.join(tasks)} model; pass `model`",
+                              param="model")
     try:
         spec = client.model_spec(model)
     except KeyError:
         raise model_not_found(model, [s["id"] for s in client.list_models()]) from None
-    if spec.task != task:
-        other = "/v1/videos" if spec.task == TEXT_TO_VIDEO else "/v1/images/generations"
-        raise bad_request(f"model {model!r} is a {spec.task} model; {endpoint} needs a {task} "
-                          f"model (use {other} for this one)", param="model")
+    if spec.task not in tasks:
+        other = TASK_ENDPOINTS.get(spec.task, "another endpoint")
+        raise bad_request(f"model {model!r} is a {spec.task} model; {endpoint} needs a "
+                          f"{' or '.join(tasks)} model (use {other} for this one)",
+                          param="model")
     return spec
 
 

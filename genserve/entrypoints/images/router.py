@@ -24,7 +24,8 @@ def build_router() -> APIRouter:
     @router.post("/v1/images/edits")
     async def edits(request: Request,
                     serving: ImageServing = Depends(get_image_serving)) -> dict[str, Any]:
-        body, files = await read_form(request, ImageEditRequest, ("image", "mask"))
+        body, files = await read_form(request, ImageEditRequest, ("image", "mask"),
+                                      multi_files=("image",))
         return await serving.edit(body, files, str(request.base_url))
 
     @router.get("/v1/images/{image_id}/content")

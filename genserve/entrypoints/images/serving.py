@@ -21,7 +21,13 @@ from genserve.entrypoints.images.protocol import ImageEditRequest, ImageGenerati
 from genserve.entrypoints.metrics import GatewayMetrics
 from genserve.multimodal_gen.client import DiffusionClient
 from genserve.multimodal_gen.encoding import encode_image
-from genserve.multimodal_gen.messages import TEXT_TO_IMAGE, DiffusionRequest, ModelSpec
+from genserve.multimodal_gen.messages import (
+    IMAGE_EDIT,
+    INPAINTING,
+    TEXT_TO_IMAGE,
+    DiffusionRequest,
+    ModelSpec,
+)
 from genserve.multimodal_gen.output_store import OutputStore
 
 IMAGE_STORE_MAX_BYTES = 1024**3  # 1 GiB of generated images on disk
@@ -40,28 +46,44 @@ class ImageServing:
 
     async def generate(self, body: ImageGenerationRequest, base_url: str) -> dict[str, Any]:
         spec = resolve_model(self.client, body.model, TEXT_TO_IMAGE, "/v1/images/generations")
-        return await self._run(body, spec, base_url, init_image=None, strength=None)
+        return await self._run(body, spec, base_url)
 
-    async def edit(self, body: ImageEditRequest, files: dict[str, bytes],
+    async def edit(self, body: ImageEditRequest, files: dict[str, list[bytes]],
                    base_url: str) -> dict[str, Any]:
-        spec = resolve_model(self.client, body.model, TEXT_TO_IMAGE, "/v1/images/edits")
-        if "mask" in files:
-            raise bad_request("masked edits (inpainting) are not supported", param="mask")
-        image = files.get("image")
-        if image is None:
+        """Image-to-image on a text-to-image model (`strength`), instruction editing on an
+        image-edit model (several images where it takes them), inpainting with `mask`."""
+        spec = resolve_model(self.client, body.model, (TEXT_TO_IMAGE, IMAGE_EDIT, INPAINTING),
+                             "/v1/images/edits")
+        images = files.get("image", [])
+        if not images:
             raise bad_request("upload the image to edit as the multipart file field 'image'",
                               param="image")
-        size = _image_size(image)
+        masks = files.get("mask", [])
+        mask = masks[0] if masks else None
+        if spec.task != TEXT_TO_IMAGE:
+            # Reference images and mask are checked (decodable, count, mask size) by the
+            # request validation; the output size defaults to the first image's.
+            return await self._run(body, spec, base_url, reference_images=tuple(images),
+                                   mask_image=mask)
+        if mask is not None:
+            raise bad_request(f"model {spec.name!r} does not inpaint (it takes no mask); use an "
+                              "inpainting model such as tiny-flux-fill", param="mask")
+        if len(images) > 1:
+            raise bad_request(f"model {spec.name!r} edits one image at a time, got "
+                              f"{len(images)}", param="image")
+        size = _image_size(images[0])
         if not spec.supports_image_to_image:
             raise bad_request(f"model {spec.name!r} does not support image edits", param="model")
         if body.size in (None, "auto"):
             # The edit keeps the upload's size; a size the model cannot make is an error.
             body = body.model_copy(update={"size": f"{size[0]}x{size[1]}"})
-        return await self._run(body, spec, base_url, init_image=image, strength=body.strength)
+        return await self._run(body, spec, base_url, init_image=images[0],
+                               strength=body.strength)
 
     async def _run(self, body: ImageGenerationRequest | ImageEditRequest, spec: ModelSpec,
-                   base_url: str, init_image: bytes | None,
-                   strength: float | None) -> dict[str, Any]:
+                   base_url: str, init_image: bytes | None = None,
+                   strength: float | None = None, reference_images: tuple[bytes, ...] = (),
+                   mask_image: bytes | None = None) -> dict[str, Any]:
         width, height = parse_size_param(body.size)
         req = DiffusionRequest(
             request_id=new_rid("img-"),
@@ -77,6 +99,9 @@ class ImageServing:
             step_cache=request_step_cache(self.client, body.step_cache),
             init_image=init_image,
             strength=strength,
+            reference_images=reference_images,
+            mask_image=mask_image,
+            loras=body.lora,
             progress=False,  # an image response waits for the result
         )
         result = await DiffusionRun(self.client, self.admission, self.metrics, req).result()

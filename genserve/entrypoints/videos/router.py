@@ -21,10 +21,7 @@ def build_router() -> APIRouter:
     async def create(request: Request,
                      serving: VideoServing = Depends(get_video_serving)) -> dict[str, Any]:
         body, files = await read_json_or_form(request, VideoCreateRequest, ("input_reference",))
-        if files:
-            raise bad_request("input_reference (image-to-video) is not supported",
-                              param="input_reference")
-        return await serving.create(body)
+        return await serving.create(body, files.get("input_reference", []))
 
     @router.get("/v1/videos")
     async def list_videos(limit: int = 20, order: str = "desc",

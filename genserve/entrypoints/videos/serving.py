@@ -33,6 +33,7 @@ from genserve.entrypoints.videos.protocol import (
 from genserve.multimodal_gen.client import DiffusionClient
 from genserve.multimodal_gen.encoding import encode_mp4
 from genserve.multimodal_gen.messages import (
+    IMAGE_TO_VIDEO,
     STATUS_CANCELLED,
     TEXT_TO_VIDEO,
     DiffusionEvent,
@@ -63,8 +64,12 @@ class VideoServing:
         self.jobs: OrderedDict[str, VideoJob] = OrderedDict()
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
-    async def create(self, body: VideoCreateRequest) -> dict[str, Any]:
-        spec = resolve_model(self.client, body.model, TEXT_TO_VIDEO, "/v1/videos")
+    async def create(self, body: VideoCreateRequest,
+                     input_reference: list[bytes] | None = None) -> dict[str, Any]:
+        """Queue a job; with an `input_reference` image the model must be image-to-video."""
+        tasks = (IMAGE_TO_VIDEO, TEXT_TO_VIDEO) if input_reference else (TEXT_TO_VIDEO,
+                                                                          IMAGE_TO_VIDEO)
+        spec = resolve_model(self.client, body.model, tasks, "/v1/videos")
         width, height = parse_size_param(body.size)
         fps = body.fps or spec.default_fps or 16
         num_frames = self._num_frames(body, spec, fps)
@@ -76,6 +81,7 @@ class VideoServing:
             num_frames=num_frames, fps=fps, num_inference_steps=body.num_inference_steps,
             guidance_scale=body.guidance_scale, seed=seed,
             step_cache=request_step_cache(self.client, body.step_cache),
+            reference_images=tuple(input_reference or ()), loras=body.lora,
         )
         try:  # check now, so bad input is a 400 and not a failed job
             resolved = resolve_request(req, spec, StepCacheConfig())

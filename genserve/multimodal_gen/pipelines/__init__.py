@@ -8,21 +8,32 @@ worker process (imports torch).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from genserve.multimodal_gen.pipelines.base import DiffusionFamily
 from genserve.multimodal_gen.pipelines.flux import FluxFamily
+from genserve.multimodal_gen.pipelines.flux_edit import FluxFillFamily, FluxKontextFamily
 from genserve.multimodal_gen.pipelines.ltx import LTXFamily
+from genserve.multimodal_gen.pipelines.memory import (
+    MemoryOptions,
+    place_pipeline,
+    quantize_denoiser,
+)
+from genserve.multimodal_gen.pipelines.qwen_image import QwenImageEditFamily, QwenImageFamily
 from genserve.multimodal_gen.pipelines.sd import StableDiffusionFamily
 from genserve.multimodal_gen.pipelines.sd3 import SD3Family
+from genserve.multimodal_gen.pipelines.sdxl import StableDiffusionXLFamily
 from genserve.multimodal_gen.pipelines.shapes import ShapesImageFamily, ShapesVideoFamily
 from genserve.multimodal_gen.pipelines.wan import WanFamily
+from genserve.multimodal_gen.pipelines.wan_i2v import WanImageToVideoFamily
 
 FAMILIES: tuple[type[DiffusionFamily], ...] = (
-    FluxFamily, SD3Family, StableDiffusionFamily, WanFamily, LTXFamily, ShapesImageFamily,
-    ShapesVideoFamily,
+    FluxFamily, FluxKontextFamily, FluxFillFamily, SD3Family, StableDiffusionFamily,
+    StableDiffusionXLFamily, QwenImageFamily, QwenImageEditFamily, WanFamily,
+    WanImageToVideoFamily, LTXFamily, ShapesImageFamily, ShapesVideoFamily,
 )
 # Pipeline classes genserve defines itself (diffusers cannot look them up by name).
 OWN_PIPELINES = {
@@ -46,6 +57,19 @@ EMBEDDED_SPECS: dict[str, tuple[type[DiffusionFamily], dict]] = {
     "tiny-ltx": (LTXFamily, dict(default_width=64, default_height=64, default_steps=4,
                                  default_num_frames=9, max_num_frames=33, max_pixels=256 * 256,
                                  default_guidance=3.0, default_fps=8)),
+    "tiny-sdxl": (StableDiffusionXLFamily, dict(default_width=64, default_height=64,
+                                                default_steps=4, max_pixels=512 * 512,
+                                                default_guidance=5.0)),
+    "tiny-flux-kontext": (FluxKontextFamily, dict(default_width=64, default_height=64,
+                                                  default_steps=4, max_pixels=512 * 512)),
+    "tiny-flux-fill": (FluxFillFamily, dict(default_width=64, default_height=64,
+                                            default_steps=4, max_pixels=512 * 512)),
+    "tiny-wan-i2v": (WanImageToVideoFamily, dict(default_width=64, default_height=64,
+                                                 default_steps=4, default_num_frames=9,
+                                                 max_num_frames=33, max_pixels=256 * 256,
+                                                 default_guidance=1.0, default_fps=8)),
+    "tiny-qwen-image": (QwenImageFamily, dict(default_width=64, default_height=64,
+                                              default_steps=4, max_pixels=512 * 512)),
 }
 
 
@@ -53,11 +77,16 @@ EMBEDDED_SPECS: dict[str, tuple[type[DiffusionFamily], dict]] = {
 class LoadOptions:
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
-    cpu_offload: bool = False  # model CPU offload (GPU only): components move to GPU in turn
+    cpu_offload: bool = False  # the same as offload="model" (the older flag)
+    memory: MemoryOptions = MemoryOptions()
+    # LoRA adapters (name, path) loaded into the model; see pipelines/lora.py.
+    loras: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype}")
+        if self.cpu_offload and self.memory.offload == "none":
+            object.__setattr__(self, "memory", dataclasses.replace(self.memory, offload="model"))
 
 
 def family_for_class(class_name: str) -> type[DiffusionFamily]:
@@ -91,10 +120,13 @@ def load_model(path_or_name: str, options: LoadOptions | None = None,
         from genserve.multimodal_gen.embedded import build_embedded
 
         family, overrides = EMBEDDED_SPECS[path_or_name]
-        pipe = build_embedded(path_or_name).to(device)  # built in float32
+        # Weights that will change get their own instance; others share the process's one.
+        changes = bool(options.loras) or options.memory != MemoryOptions()
+        pipe = build_embedded(path_or_name, shared=not changes)  # built in float32
         if dtype != torch.float32:
             pipe = pipe.to(dtype=dtype)
-        return family(name or path_or_name, pipe, "embedded", overrides)
+        return _finish(family, name or path_or_name, pipe, "embedded", options, device,
+                       overrides)
     from diffusers import DiffusionPipeline
 
     from genserve.demo_models.models import MODEL_NAMES
@@ -124,10 +156,23 @@ def load_model(path_or_name: str, options: LoadOptions | None = None,
 
         pipe_cls = getattr(importlib.import_module(OWN_PIPELINES[class_name]), class_name)
     pipe = pipe_cls.from_pretrained(path_or_name, torch_dtype=dtype)
-    if options.cpu_offload and device.type == "cuda":
-        pipe.enable_model_cpu_offload(device=device)
-    else:
-        pipe = pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     model_name = name or (Path(path_or_name).name if index.is_file() else path_or_name)
-    return family(model_name, pipe, str(path_or_name))
+    return _finish(family, model_name, pipe, str(path_or_name), options, device)
+
+
+def _finish(family: type[DiffusionFamily], name: str, pipe, source: str, options: LoadOptions,
+            device, overrides: dict | None = None) -> DiffusionFamily:
+    """Quantize, place (or offload) and wrap a loaded pipeline, then load its LoRA adapters."""
+    denoiser = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    if options.memory.quantization != "none":
+        if denoiser is None or not quantize_denoiser(denoiser, options.memory.quantization):
+            raise ValueError(f"model {name}: {options.memory.quantization} quantization found "
+                             "no linear layer to quantize in its denoiser")
+    pipe = place_pipeline(pipe, device, options.memory)
+    model = family(name, pipe, source, overrides)
+    if options.loras:
+        from genserve.multimodal_gen.pipelines.lora import load_adapters
+
+        load_adapters(model, options.loras)
+    return model

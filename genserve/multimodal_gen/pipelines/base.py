@@ -48,6 +48,7 @@ class DiffusionFamily(ABC):
     task: ClassVar[str]
     pipeline_classes: ClassVar[tuple[str, ...]]  # model_index.json `_class_name` values
     img2img_class: ClassVar[str | None] = None  # diffusers class sharing the same components
+    max_reference_images: ClassVar[int] = 0  # image-conditioned tasks: images per request
     spec_defaults: ClassVar[dict[str, Any]]  # ModelSpec fields for a real checkpoint
     cfg_runs_separately: ClassVar[bool] = False  # transformer called twice per step with CFG
     step_cache_kind: ClassVar[str] = "dbcache"  # a key of step_cache.STEP_CACHES
@@ -63,16 +64,24 @@ class DiffusionFamily(ABC):
             family=self.family,
             source=source,
             supports_image_to_image=self.img2img_class is not None,
-            **{**self.spec_defaults, **(spec_overrides or {})},
+            max_reference_images=self.max_reference_images,
+            step_cache=self.step_cache_kind != "none",
+            scheduler=scheduler_summary(getattr(pipe, "scheduler", None)),
+            **{**self.spec_defaults, **self.checkpoint_defaults(), **(spec_overrides or {})},
         )
         # Before the step cache: cache-dit wraps the denoiser's forward, we wrap its layers.
         make_batch_invariant(self.denoiser)
+        encoder = getattr(getattr(pipe, "vae", None), "encoder", None)
+        if self.max_reference_images and isinstance(encoder, torch.nn.Module):
+            make_batch_invariant(encoder)  # reference images may be encoded once per row
         channels_last_vae(getattr(pipe, "vae", None))
         for component in pipe.components.values():
             if isinstance(component, torch.nn.Module) and component is not self.denoiser:
                 remember_relative_bias(component)  # T5 / UMT5 text encoders
         self.step_cache: StepCache = make_step_cache(self.step_cache_kind, self.denoiser,
                                                        self.cache_blocks)
+        self.lora_adapters: tuple[str, ...] = ()  # loaded adapters (pipelines/lora.py)
+        self.active_loras: tuple[tuple[str, float], ...] = ()
         self._img2img: Any = None
         self._device: torch.device | None = None
         self._previewer: Any = None
@@ -89,9 +98,21 @@ class DiffusionFamily(ABC):
 
     # ---- per-family pieces ----
 
+    def checkpoint_defaults(self) -> dict[str, Any]:
+        """ModelSpec defaults this checkpoint's own config implies (a distilled model's step
+        count and guidance), over the family's `spec_defaults`."""
+        return {}
+
     @abstractmethod
     def call_kwargs(self, req: ResolvedRequest) -> dict[str, Any]:
         """Shape/guidance arguments of the diffusers `__call__` for this batch (same for all)."""
+
+    def condition_kwargs(self, images: list[Any], mask: Any | None, req: ResolvedRequest,
+                         rows: int) -> dict[str, Any]:
+        """`__call__` arguments for a request's reference images (PIL, resized to the output
+        size) and mask (PIL "L"), the same for all `rows` rows of the call. Image-conditioned
+        families override it."""
+        raise ValueError(f"model {self.name} takes no reference image")
 
     @abstractmethod
     def unpack_latents(self, latents: torch.Tensor, req: ResolvedRequest) -> torch.Tensor:
@@ -109,7 +130,12 @@ class DiffusionFamily(ABC):
         head = batch[0]
         # 1. One row per output: its prompt, negative prompt and seeded generator.
         prompts, negatives, generators = self._rows(batch)
-        # 2. Refresh the step cache for this call's config and step count.
+        if head.loras or self.active_loras:
+            from genserve.multimodal_gen.pipelines.lora import activate
+
+            activate(self, head.loras)
+        # 2. Switch to this batch's LoRA adapters (the same for every request of a batch),
+        # and refresh the step cache for this call's config and step count.
         self.step_cache.configure(head.step_cache, head.num_inference_steps,
                                   separate_cfg=self.cfg_runs_separately and self._uses_cfg(head))
         # 3. Denoise to latents, reporting each step.
@@ -148,6 +174,13 @@ class DiffusionFamily(ABC):
             pipe = self._img2img_pipeline()
             image = _load_image(head.init_image, head.width, head.height)
             kwargs.update(image=[image] * len(prompts), strength=head.strength)
+        if head.reference_images:
+            images = [_load_image(data, head.width, head.height)
+                      for data in head.reference_images]
+            mask = None
+            if head.mask_image is not None:
+                mask = _load_image(head.mask_image, head.width, head.height, mode="L")
+            kwargs.update(self.condition_kwargs(images, mask, head, len(prompts)))
         if self.spec.supports_negative_prompt and any(negatives):
             kwargs["negative_prompt"] = negatives
 
@@ -217,6 +250,23 @@ class DiffusionFamily(ABC):
         return self._previewer.project(latents[0], req.num_frames, req.height, req.width)
 
 
+# Scheduler config entries that change how steps are spaced or what the model predicts.
+_SCHEDULER_KEYS = ("shift", "use_dynamic_shifting", "timestep_spacing", "prediction_type",
+                   "beta_schedule", "flow_shift", "time_shift_type")
+
+
+def scheduler_summary(scheduler: Any) -> tuple[tuple[str, Any], ...]:
+    """(name, value) pairs of the checkpoint's scheduler, for /v1/models: its class and the
+    config entries above that it sets."""
+    if scheduler is None:
+        return ()
+    config = getattr(scheduler, "config", {})
+    pairs = [("class", type(scheduler).__name__)]
+    pairs += [(k, config[k]) for k in _SCHEDULER_KEYS
+              if k in config and isinstance(config[k], str | int | float | bool)]
+    return tuple(pairs)
+
+
 def channels_last_vae(vae: torch.nn.Module | None) -> bool:
     """Keep a 2D VAE's weights channels-last, so its convolutions take the NHWC path of oneDNN
     (CPU) and cuDNN (GPU), their faster layout for these convolutions (docs/benchmarks.md). The
@@ -233,10 +283,12 @@ def channels_last_vae(vae: torch.nn.Module | None) -> bool:
     return True
 
 
-def _load_image(data: bytes, width: int, height: int):
+def _load_image(data: bytes, width: int, height: int, mode: str = "RGB"):
     from PIL import Image
 
-    image = Image.open(io.BytesIO(data)).convert("RGB")
+    image = Image.open(io.BytesIO(data)).convert(mode)
     if image.size != (width, height):
-        image = image.resize((width, height), Image.LANCZOS)
+        # A mask stays black and white: nearest, not a blend of both.
+        resample = Image.NEAREST if mode == "L" else Image.LANCZOS
+        image = image.resize((width, height), resample)
     return image

@@ -29,6 +29,13 @@ class FluxFamily(DiffusionFamily):
         if isinstance(getattr(self.denoiser, "pos_embed", None), torch.nn.Module):
             remember_rope(self.denoiser.pos_embed)  # the same tables at every step
 
+    def checkpoint_defaults(self) -> dict[str, Any]:
+        # FLUX.1 [schnell] is timestep-distilled, without the guidance embedding of [dev]: it
+        # draws in 4 steps and takes no guidance.
+        if not getattr(self.denoiser.config, "guidance_embeds", True):
+            return {"default_steps": 4, "default_guidance": 0.0}
+        return {}
+
     def call_kwargs(self, req: ResolvedRequest) -> dict[str, Any]:
         return {"height": req.height, "width": req.width, "guidance_scale": req.guidance_scale}
 

@@ -1,0 +1,194 @@
+"""Editing, inpainting, image-to-video and LoRA through HTTP (real uvicorn server, diffusion
+worker process, official openai client): FLUX.1 Kontext and Fill on /v1/images/edits, Wan
+image-to-video on /v1/videos with `input_reference`, a LoRA adapter loaded at start and picked
+per request; bad input is a 400 envelope that leaves nothing in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.diffusion.conftest import _threads
+from tests.diffusion.helpers import LiveServer, error_of
+
+FAST = {"num_inference_steps": 2}
+
+
+def _png(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+PICTURE = _png(np.random.default_rng(5).integers(0, 256, (32, 32, 3), dtype=np.uint8))
+MASK = np.zeros((32, 32), dtype=np.uint8)
+MASK[:, 16:] = 255
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory, output_dir):
+    import torch
+
+    from genserve.entrypoints.app import create_app
+    from genserve.entrypoints.config import GatewayConfig
+    from genserve.multimodal_gen.embedded import _BUILDERS
+    from genserve.multimodal_gen.engine_client import WorkerDiffusionClient
+    from genserve.multimodal_gen.worker import WorkerConfig
+    from tests.diffusion.test_lora import make_lora
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        flux = _BUILDERS["tiny-flux"]()
+    lora = make_lora(flux, tmp_path_factory.mktemp("lora") / "ink", 1)
+    client = WorkerDiffusionClient(WorkerConfig(
+        ("tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v", "tiny-flux"),
+        loras=(("tiny-flux", "ink", lora),), num_threads=_threads(), max_batch_size=4,
+        batch_delay_ms=150))
+    server = LiveServer(create_app(GatewayConfig(), llm_clients=[], diffusion_client=client))
+    yield server, client
+    server.stop()
+    asyncio.run(client.shutdown())
+
+
+@pytest.fixture
+def http(live):
+    import httpx
+
+    with httpx.Client(base_url=live[0].url, timeout=60) as c:
+        yield c
+
+
+def _decode(item: dict) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))))
+
+
+def _edit(http, model, files, **fields):
+    data = {"model": model, "prompt": "a red cat", "seed": "3", "response_format": "b64_json",
+            **{k: str(v) for k, v in {**FAST, **fields}.items()}}
+    return http.post("/v1/images/edits", data=data, files=files)
+
+
+def test_models_show_tasks_adapters_and_scheduler(http):
+    cards = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    assert cards["tiny-flux-kontext"]["task"] == "image-edit"
+    assert cards["tiny-flux-fill"]["task"] == "inpainting"
+    assert cards["tiny-wan-i2v"]["task"] == "image-to-video"
+    assert cards["tiny-flux"]["lora_adapters"] == ["ink"]
+    assert cards["tiny-flux"]["scheduler"]["class"] == "FlowMatchEulerDiscreteScheduler"
+    assert cards["tiny-wan-i2v"]["step_cache"] is True
+
+
+def test_instruction_edit_and_inpainting_with_the_openai_client(live):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{live[0].url}/v1", api_key="x")
+    edited = client.images.edit(model="tiny-flux-kontext", image=("in.png", PICTURE),
+                                prompt="make it blue", response_format="b64_json",
+                                extra_body=FAST)
+    out = _decode(edited.data[0].model_dump())
+    assert out.shape == (32, 32, 3)  # the reference image's size
+    filled = client.images.edit(model="tiny-flux-fill", image=("in.png", PICTURE),
+                                mask=("mask.png", _png(MASK)), prompt="a red cat",
+                                response_format="b64_json", extra_body=FAST)
+    assert _decode(filled.data[0].model_dump()).shape == (32, 32, 3)
+
+
+def test_reference_image_and_mask_change_the_output(http):
+    base = _edit(http, "tiny-flux-fill", [("image", PICTURE), ("mask", _png(MASK))])
+    other = _edit(http, "tiny-flux-fill", [("image", PICTURE), ("mask", _png(255 - MASK))])
+    kontext = _edit(http, "tiny-flux-kontext", [("image", PICTURE)])
+    kontext2 = _edit(http, "tiny-flux-kontext", [("image", _png(255 - _decode(
+        kontext.json()["data"][0])))])
+    for r in (base, other, kontext, kontext2):
+        assert r.status_code == 200, r.text
+    assert not np.array_equal(_decode(base.json()["data"][0]), _decode(other.json()["data"][0]))
+    assert not np.array_equal(_decode(kontext.json()["data"][0]),
+                              _decode(kontext2.json()["data"][0]))
+
+
+@pytest.mark.parametrize("model, files, fields, says", [
+    ("tiny-flux-fill", [("image", PICTURE), ("mask", _png(np.zeros((16, 32), np.uint8)))], {},
+     "the mask is 32x16 but the image is 32x32"),
+    ("tiny-flux-fill", [("image", PICTURE)], {}, "needs a mask"),
+    ("tiny-flux-kontext", [("image", PICTURE), ("mask", _png(MASK))], {}, "takes no mask"),
+    ("tiny-flux-kontext", [("image", b"not a picture")], {}, "could not be decoded"),
+    ("tiny-flux-kontext", [("image", PICTURE), ("image", PICTURE)], {}, "at most 1"),
+    ("tiny-wan-i2v", [("image", PICTURE)], {}, "image-to-video model"),
+    ("tiny-flux", [("image", PICTURE), ("mask", _png(MASK))], {}, "does not inpaint"),
+    ("tiny-flux", [("image", PICTURE)], {"lora": '{"pencil": 1}'}, "'pencil' is not loaded"),
+])
+def test_bad_edits_are_400_and_leave_nothing_in_flight(http, live, model, files, fields,
+                                                       says):
+    r = _edit(http, model, files, **fields)
+    assert r.status_code == 400, r.text
+    assert says in error_of(r)["message"]
+    assert not live[1]._inflight  # the worker never saw it
+
+
+def test_generation_on_an_edit_model_points_to_edits(http):
+    r = http.post("/v1/images/generations", json={"model": "tiny-flux-kontext", "prompt": "x"})
+    assert r.status_code == 400 and "/v1/images/edits" in error_of(r)["message"]
+
+
+def _wait(http, video_id):
+    for _ in range(600):
+        job = http.get(f"/v1/videos/{video_id}").json()
+        if job["status"] in ("completed", "failed", "cancelled"):
+            return job
+        time.sleep(0.1)
+    raise AssertionError("the video job did not finish")
+
+
+def test_image_to_video_with_input_reference(http, live):
+    data = {"model": "tiny-wan-i2v", "prompt": "a bird flying", "size": "32x32",
+            "num_frames": "5", **{k: str(v) for k, v in FAST.items()}}
+    r = http.post("/v1/videos", data=data, files=[("input_reference", PICTURE)])
+    assert r.status_code == 200, r.text
+    job = _wait(http, r.json()["id"])
+    assert job["status"] == "completed", job
+    assert http.get(f"/v1/videos/{job['id']}/content").content[4:8] == b"ftyp"
+    import openai
+
+    client = openai.OpenAI(base_url=f"{live[0].url}/v1", api_key="x")
+    video = client.videos.create(model="tiny-wan-i2v", prompt="a bird",
+                                 input_reference=("first.png", PICTURE, "image/png"),
+                                 size="32x32", extra_body={"num_frames": 5, **FAST})
+    assert _wait(http, video.id)["status"] == "completed"
+
+
+@pytest.mark.parametrize("files, says", [
+    ([("input_reference", b"\x89PNG broken")], "could not be decoded"),
+    ([], "needs a reference image"),
+])
+def test_bad_image_to_video_is_400(http, live, files, says):
+    data = {"model": "tiny-wan-i2v", "prompt": "a bird", "size": "32x32", "num_frames": "5"}
+    r = http.post("/v1/videos", data=data, files=files or None)
+    assert r.status_code == 400, r.text
+    assert says in error_of(r)["message"]
+    assert not live[1]._inflight
+
+
+def test_lora_requests_apply_their_adapter_and_batch_together(http):
+    def gen(lora=None, seed=3):
+        body = {"model": "tiny-flux", "prompt": "a red cat", "size": "32x32", "seed": seed,
+                "response_format": "b64_json", **FAST}
+        if lora is not None:
+            body["lora"] = lora
+        r = http.post("/v1/images/generations", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    plain = _decode(gen()["data"][0])
+    ink = _decode(gen({"ink": 1.0})["data"][0])
+    assert not np.array_equal(plain, ink)
+    with ThreadPoolExecutor(4) as pool:
+        bodies = list(pool.map(lambda s: gen({"ink": 1.0}, seed=s), [3, 4, 5, 6]))
+    assert np.array_equal(_decode(bodies[0]["data"][0]), ink)  # batched = alone
+    assert max(b["batch_size"] for b in bodies) >= 2
