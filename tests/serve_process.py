@@ -6,6 +6,7 @@ import contextlib
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -22,11 +23,22 @@ def free_port() -> int:
 def serve_process(*flags: str, start_timeout: float = 300.0) -> Iterator[str]:
     """`genserve serve --no-diffusion --dtype float32 <flags>` on a free loopback port; yields
     its URL once /health answers 200, and stops it (SIGTERM, then kill) afterwards."""
+    with serve_subprocess("--no-diffusion", *flags, start_timeout=start_timeout) as (_, url):
+        yield url
+
+
+@contextlib.contextmanager
+def serve_subprocess(*flags: str, start_timeout: float = 300.0
+                     ) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`genserve serve --dtype float32 <flags>` on a free loopback port: yields (the process,
+    its URL) once /health answers 200; stops it (SIGTERM, then kill) afterwards unless the test
+    already did. Its log goes to a file (a pipe nobody reads would block it when full)."""
     port = free_port()
+    log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-diffusion",
+        [sys.executable, "-m", "genserve.entrypoints.cli", "serve",
          "--port", str(port), "--dtype", "float32", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + start_timeout
@@ -38,12 +50,15 @@ def serve_process(*flags: str, start_timeout: float = 300.0) -> Iterator[str]:
                 pass
             time.sleep(0.5)
         if proc.poll() is not None:
-            raise RuntimeError(f"genserve serve exited: {proc.stdout.read()}")  # type: ignore
-        yield url
+            log.seek(0)
+            raise RuntimeError(f"genserve serve exited: {log.read()[-4000:]}")
+        yield proc, url
     finally:
-        proc.terminate()
+        if proc.poll() is None:
+            proc.terminate()
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+        log.close()

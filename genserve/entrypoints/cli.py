@@ -98,6 +98,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "template; hermes when the template does not render tools).")
     p.add_argument("--reasoning-parser", default=None, choices=("deepseek-r1", "qwen3"),
                    help="Split <think>...</think> out of chat answers into reasoning_content.")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="On SIGTERM / SIGINT: stop accepting connections, let in-flight "
+                        "requests and video jobs finish for this long, then cancel the rest.")
     p.add_argument("--no-llm", action="store_true", help="Do not start an LLM runtime.")
     p.add_argument("--no-diffusion", action="store_true",
                    help="Do not start the diffusion runtime.")

@@ -1,7 +1,10 @@
 """`genserve serve`: start the runtimes, put the gateway in front, shut down cleanly.
 
-SIGTERM / SIGINT stop accepting connections, let uvicorn finish in-flight responses (bounded),
-then shut the engines' processes down; a second SIGINT forces the exit.
+SIGTERM / SIGINT drain: the listening socket closes, in-flight responses and queued diffusion
+work (video jobs) get `--shutdown-timeout` seconds to finish, what is left is cancelled, the
+runtimes' processes are stopped and the process exits 0. A second SIGINT forces the exit.
+The runtime processes ignore both signals (Ctrl-C reaches the whole process group): stopping them
+is this process's job, after the drain.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from genserve.srt.client import LLMEngineClient
 
 logger = logging.getLogger("genserve.serve")
 
-_GRACEFUL_SHUTDOWN_S = 10
+_POLL_S = 0.2
 
 
 def configure_logging(level: str | None) -> str:
@@ -114,10 +117,15 @@ async def _start_diffusion(args: argparse.Namespace) -> Any | None:
     return client
 
 
-def _make_server(app: Any, config: GatewayConfig, log_level: str) -> Any:
+def _make_server(app: Any, config: GatewayConfig, log_level: str,
+                 shutdown_timeout: float) -> Any:
+    import time
+
     import uvicorn
 
     class Server(uvicorn.Server):
+        stop_requested_at: float | None = None  # time.monotonic() of the first signal
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             # uvicorn re-raises the signal after serving, which would kill us before the
@@ -127,6 +135,10 @@ def _make_server(app: Any, config: GatewayConfig, log_level: str) -> Any:
             def on_signal(sig: int) -> None:
                 if self.should_exit and sig == signal.SIGINT:
                     self.force_exit = True
+                if self.stop_requested_at is None:
+                    self.stop_requested_at = time.monotonic()
+                    logger.info("draining: finishing in-flight work for up to %.0f s",
+                                shutdown_timeout)
                 self.should_exit = True
 
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -140,7 +152,7 @@ def _make_server(app: Any, config: GatewayConfig, log_level: str) -> Any:
     return Server(uvicorn.Config(
         # lifespan on: routers (realtime) release their resources at shutdown through it.
         app, host=config.host, port=config.port, log_level=log_level, lifespan="on",
-        timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S))
+        timeout_graceful_shutdown=shutdown_timeout))
 
 
 async def serve(args: argparse.Namespace, log_level: str) -> None:
@@ -148,6 +160,8 @@ async def serve(args: argparse.Namespace, log_level: str) -> None:
 
     config = gateway_config_from(args)
     want_llm, want_diffusion = _wanted(args)
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     llm_clients: list[LLMEngineClient] = []
     diffusion_client = None
     try:
@@ -156,17 +170,32 @@ async def serve(args: argparse.Namespace, log_level: str) -> None:
         if want_diffusion:
             diffusion_client = await _start_diffusion(args)
         app = create_app(config, llm_clients, diffusion_client)
-        server = _make_server(app, config, log_level)
+        server = _make_server(app, config, log_level, args.shutdown_timeout)
         host = f"[{config.host}]" if ":" in config.host else config.host
         logger.info("genserve listening on http://%s:%d (models: %s)", host, config.port,
                     ", ".join(app.state.gateway.llm_names()) or "none")
         await server.serve()
+        if diffusion_client is not None and server.stop_requested_at is not None:
+            await _drain_diffusion(diffusion_client,
+                                   server.stop_requested_at + args.shutdown_timeout)
     finally:
         logger.info("shutting down")
         for client in llm_clients:
             await _quietly(client.shutdown())
         if diffusion_client is not None:
             await _quietly(diffusion_client.shutdown())
+
+
+async def _drain_diffusion(client: Any, deadline: float) -> None:
+    """Wait (until `deadline`, monotonic) for the diffusion work no HTTP response waits on:
+    queued and running video jobs. Shutting the worker down then cancels what is left."""
+    import time
+
+    while client.queue_depth() and time.monotonic() < deadline:
+        await asyncio.sleep(_POLL_S)
+    if client.queue_depth():
+        logger.warning("cancelling %d diffusion request(s) still running at the shutdown "
+                       "timeout", client.queue_depth())
 
 
 async def _quietly(coro: Any) -> None:

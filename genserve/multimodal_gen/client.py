@@ -43,6 +43,8 @@ class DiffusionClient(Protocol):
 
     def is_healthy(self) -> bool: ...
 
+    def runtime_report(self) -> dict[str, Any]: ...
+
     def queue_depth(self) -> int: ...
 
     async def shutdown(self) -> None: ...
@@ -88,6 +90,11 @@ class DiffusionEngineClient(ABC):
     async def cancel(self, request_id: str) -> bool:
         """Cancel a queued or running request (its stream ends with ErrorEvent(499)); False if
         the id is unknown or already finished."""
+
+    def runtime_report(self) -> dict[str, Any]:
+        """The worker process as /health shows it: `state` (starting | ready | restarting |
+        stopped), and where known its `pid` and number of `restarts`."""
+        return {"state": "ready" if self.is_healthy() else "stopped"}
 
     @abstractmethod
     def is_healthy(self) -> bool:

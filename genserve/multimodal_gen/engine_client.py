@@ -2,7 +2,8 @@
 
 The gateway process never imports torch: the worker is started with the multiprocessing spawn
 context and imports torch itself. A reader thread moves worker events onto each request's
-asyncio queue; when the worker dies, every in-flight request ends with ErrorEvent(503).
+asyncio queue; when the worker dies, every in-flight request ends with ErrorEvent(503), new ones
+get 503 too, and `self.supervisor` starts a fresh worker with backoff.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from genserve.multimodal_gen.client import DiffusionEngineClient
 from genserve.multimodal_gen.messages import (
@@ -27,12 +29,14 @@ from genserve.multimodal_gen.messages import (
     StepCacheConfig,
     StepEvent,
     WorkerCancel,
+    WorkerHealth,
     WorkerReady,
     WorkerShutdown,
     WorkerSubmit,
 )
 from genserve.multimodal_gen.validation import resolve_request
 from genserve.multimodal_gen.worker import WorkerConfig, worker_main
+from genserve.supervision import ProcessSupervisor, RestartPolicy
 
 logger = logging.getLogger("genserve.diffusion")
 
@@ -43,41 +47,59 @@ class _InFlight:
     events: asyncio.Queue
 
 
+@dataclass
+class _WorkerLink:
+    """One worker process and its two queues."""
+
+    proc: Any  # multiprocessing.Process
+    inbox: Any  # multiprocessing.Queue of Worker* messages
+    outbox: Any  # multiprocessing.Queue of events
+
+
 class WorkerDiffusionClient(DiffusionEngineClient):
     def __init__(self, config: WorkerConfig, default_step_cache: StepCacheConfig | None = None,
-                 max_queued: int = 256, startup_timeout_s: float = 600.0):
+                 max_queued: int = 256, startup_timeout_s: float = 600.0,
+                 restart_policy: RestartPolicy | None = None):
         self.config = config
         self.default_step_cache = default_step_cache or StepCacheConfig()
         self.max_queued = max_queued
-        ctx = mp.get_context("spawn")
-        self._inbox = ctx.Queue()
-        self._outbox = ctx.Queue()
-        self._proc = ctx.Process(target=worker_main, args=(config, self._inbox, self._outbox),
-                                 name="genserve-diffusion-worker", daemon=True)
+        self.startup_timeout_s = startup_timeout_s
         self._inflight: dict[str, _InFlight] = {}
         self._lock = threading.Lock()
-        self._dead = False
         self._closing = False
-        self._proc.start()
-        self._specs = self._wait_ready(startup_timeout_s)
-        self._reader = threading.Thread(target=self._read_events, name="diffusion-events",
-                                        daemon=True)
-        self._reader.start()
+        self.integrity_error: str | None = None  # the worker's last failed self-check
+        self.supervisor = ProcessSupervisor("the diffusion worker", self._spawn, restart_policy)
+        self.supervisor.started(self._spawn())
 
-    def _wait_ready(self, timeout_s: float) -> list[ModelSpec]:
+    def _spawn(self) -> int:
+        """Start a worker, wait until its models are loaded, start its reader: the pid."""
+        ctx = mp.get_context("spawn")
+        link = _WorkerLink(None, ctx.Queue(), ctx.Queue())
+        link.proc = ctx.Process(target=worker_main, args=(self.config, link.inbox, link.outbox),
+                                name="genserve-diffusion-worker", daemon=True)
+        link.proc.start()
+        self._specs = self._wait_ready(link, self.startup_timeout_s)
+        self.integrity_error = None
+        self._link = link
+        threading.Thread(target=self._read_events, args=(link,), name="diffusion-events",
+                         daemon=True).start()
+        return link.proc.pid
+
+    @staticmethod
+    def _wait_ready(link: _WorkerLink, timeout_s: float) -> list[ModelSpec]:
         waited = 0.0
         while True:
             try:
-                ready = self._outbox.get(timeout=1.0)
+                ready = link.outbox.get(timeout=1.0)
                 break
             except queue.Empty:
                 waited += 1.0
-                if not self._proc.is_alive() or waited >= timeout_s:
-                    self._proc.kill()
+                if not link.proc.is_alive() or waited >= timeout_s:
+                    link.proc.kill()
                     raise RuntimeError(
                         "the diffusion worker died or hung while loading models") from None
         if not isinstance(ready, WorkerReady) or ready.error:
-            self._proc.join(timeout=10)
+            link.proc.join(timeout=10)
             raise RuntimeError(f"the diffusion worker could not load its models: {ready.error}")
         return ready.specs
 
@@ -87,7 +109,11 @@ class WorkerDiffusionClient(DiffusionEngineClient):
         return list(self._specs)
 
     def is_healthy(self) -> bool:
-        return not self._dead and self._proc.is_alive()
+        return self.supervisor.ready and self._link.proc.is_alive()
+
+    def runtime_report(self) -> dict[str, Any]:
+        return {**self.supervisor.report(), "integrity_error": self.integrity_error,
+                "queue_depth": self.queue_depth()}
 
     async def stream(self, req: DiffusionRequest) -> AsyncIterator[
             StepEvent | ResultEvent | ErrorEvent]:
@@ -103,22 +129,29 @@ class WorkerDiffusionClient(DiffusionEngineClient):
         except ValueError as exc:
             yield ErrorEvent(rid, str(exc), STATUS_BAD_INPUT)
             return
-        if not self.is_healthy():
-            yield ErrorEvent(rid, "the diffusion worker is not running", STATUS_UNAVAILABLE)
+        refusal: ErrorEvent | None = None
+        with self._lock:  # never yield while holding it: the reader thread takes it
+            # Checked under the lock: a request registered while the worker is alive is in
+            # `_inflight` when the reader thread fails them all after its death.
+            if not self.is_healthy():
+                refusal = ErrorEvent(rid, "the diffusion worker is not running",
+                                     STATUS_UNAVAILABLE)
+            elif rid in self._inflight:
+                refusal = ErrorEvent(rid, f"request id {rid!r} is already running",
+                                     STATUS_BAD_INPUT)
+            elif len(self._inflight) >= self.max_queued:
+                refusal = ErrorEvent(rid, "the diffusion queue is full; retry later",
+                                     STATUS_UNAVAILABLE)
+            else:
+                entry = _InFlight(asyncio.get_running_loop(), asyncio.Queue())
+                self._inflight[rid] = entry
+        if refusal is not None:
+            yield refusal
             return
-        with self._lock:
-            if rid in self._inflight:
-                yield ErrorEvent(rid, f"request id {rid!r} is already running", STATUS_BAD_INPUT)
-                return
-            if len(self._inflight) >= self.max_queued:
-                yield ErrorEvent(rid, "the diffusion queue is full; retry later",
-                                 STATUS_UNAVAILABLE)
-                return
-            entry = _InFlight(asyncio.get_running_loop(), asyncio.Queue())
-            self._inflight[rid] = entry
         finished = False
+        link = self._link
         try:
-            self._inbox.put(WorkerSubmit(resolved))
+            link.inbox.put(WorkerSubmit(resolved))
             while True:
                 event = await entry.events.get()
                 yield event
@@ -128,24 +161,26 @@ class WorkerDiffusionClient(DiffusionEngineClient):
         finally:
             with self._lock:
                 self._inflight.pop(rid, None)
-            if not finished and self.is_healthy():
-                self._inbox.put(WorkerCancel(rid))  # the caller went away: free its slot
+            if not finished and link is self._link and self.is_healthy():
+                link.inbox.put(WorkerCancel(rid))  # the caller went away: free its slot
 
     async def cancel(self, request_id: str) -> bool:
         with self._lock:
             known = request_id in self._inflight
         if known and self.is_healthy():
-            self._inbox.put(WorkerCancel(request_id))
+            self._link.inbox.put(WorkerCancel(request_id))
         return known
 
     async def shutdown(self) -> None:
         self._closing = True
-        if self._proc.is_alive():
-            self._inbox.put(WorkerShutdown())
-            await asyncio.to_thread(self._proc.join, 10)
-            if self._proc.is_alive():
-                self._proc.kill()
-                await asyncio.to_thread(self._proc.join, 5)
+        self.supervisor.stop()
+        proc = self._link.proc
+        if proc.is_alive():
+            self._link.inbox.put(WorkerShutdown())
+            await asyncio.to_thread(proc.join, 10)
+            if proc.is_alive():
+                proc.kill()
+                await asyncio.to_thread(proc.join, 5)
         self._fail_all("the diffusion worker was shut down")
 
     def queue_depth(self) -> int:
@@ -163,21 +198,26 @@ class WorkerDiffusionClient(DiffusionEngineClient):
             except RuntimeError:  # the request's event loop is closed
                 pass
 
-    def _read_events(self) -> None:
+    def _read_events(self, link: _WorkerLink) -> None:
         while True:
             try:
-                event = self._outbox.get(timeout=0.2)
+                event = link.outbox.get(timeout=0.2)
             except queue.Empty:
-                if not self._proc.is_alive():
+                if not link.proc.is_alive():
                     break
                 continue
             except (EOFError, OSError):
                 break
+            if isinstance(event, WorkerHealth):
+                self.integrity_error = event.integrity_error
+                continue
             self._deliver(event)
-        self._dead = True
-        if not self._closing:
-            logger.error("the diffusion worker exited (code %s)", self._proc.exitcode)
+        link.proc.join(5)
+        # The requests it held end now (a restarted worker never sees them), then it restarts.
         self._fail_all("the diffusion worker died; the request could not finish")
+        if not self._closing:
+            self.supervisor.process_died(
+                f"the diffusion worker exited (code {link.proc.exitcode})")
 
     def _fail_all(self, message: str) -> None:
         with self._lock:

@@ -266,6 +266,14 @@ class WorkerShutdown:
 
 
 @dataclass
+class WorkerHealth:
+    """Sent by the worker when the result of its idle self-check changes: the failure, or
+    None once it passes again. The worker keeps serving either way."""
+
+    integrity_error: str | None
+
+
+@dataclass
 class WorkerReady:
     """First message of the worker: the models it loaded, or why it could not start."""
 

@@ -25,10 +25,12 @@ from genserve.multimodal_gen.messages import (
     ResultEvent,
     StepEvent,
     WorkerCancel,
+    WorkerHealth,
     WorkerReady,
     WorkerShutdown,
     WorkerSubmit,
 )
+from genserve.supervision import ignore_termination_signals
 
 logger = logging.getLogger("genserve.diffusion.worker")
 
@@ -96,6 +98,7 @@ class _Worker:
     cancelled: set[str] = field(default_factory=set)
     reported: dict[str, int] = field(default_factory=dict)  # last step sent, per request
     stopping: bool = False
+    integrity_error: str | None = None  # the last self-check's failure
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, WorkerSubmit):
@@ -140,7 +143,21 @@ class _Worker:
             if batch:
                 self.run_batch(batch)
             else:
-                self.check_integrity()  # idle moment: check the queue's invariants
+                self.self_check()  # idle moment: check the queue's invariants
+
+    def self_check(self) -> None:
+        """Run check_integrity; a failure is logged and reported to the gateway (shown in
+        /health and /get_server_info), and the worker keeps serving."""
+        try:
+            self.check_integrity()
+            error = None
+        except AssertionError as exc:
+            error = str(exc)
+        if error != self.integrity_error:
+            if error is not None:
+                logger.error("integrity check failed: %s", error)
+            self.integrity_error = error
+            self.outbox.put(WorkerHealth(error))
 
     def check_integrity(self) -> None:
         self.batcher.check_integrity()
@@ -236,6 +253,7 @@ def _first_row(batch: list[ResolvedRequest], req: ResolvedRequest) -> int:
 def worker_main(config: WorkerConfig, inbox: Any, outbox: Any) -> None:
     """Entry point of the worker process."""
     logging.basicConfig(level=logging.INFO, format="[diffusion worker] %(message)s")
+    ignore_termination_signals()
     tune_malloc()  # before torch allocates anything
     try:
         import torch

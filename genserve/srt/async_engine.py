@@ -10,6 +10,9 @@ import multiprocessing as mp
 import queue
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from genserve.srt.client import LLMEngineClient
@@ -26,6 +29,7 @@ from genserve.srt.messages import (
 from genserve.srt.sampling.sampling_params import SamplingParams
 from genserve.srt.server_args import EngineArgs
 from genserve.srt.tokenizer_manager import RequestState, make_tokenized_req
+from genserve.supervision import ProcessSupervisor, RestartPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -34,88 +38,135 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-class AsyncEngine(LLMEngineClient):
-    def __init__(self, args: EngineArgs | None = None, log_level: str = "info") -> None:
-        from dataclasses import replace
+@dataclass
+class _SchedulerLink:
+    """One scheduler process, its end of the pipe, and the queue its sender thread drains."""
 
-        from genserve.srt.model_loader import resolve_model_folder
+    proc: Any  # multiprocessing.Process
+    conn: Connection
+    outbox: queue.Queue = field(default_factory=queue.Queue)
+
+
+class AsyncEngine(LLMEngineClient):
+    """Model folder resolution (GGUF conversion included) and the model itself live in the
+    scheduler process, which reports the resolved folder; this process loads only the tokenizer
+    (and a vision model's image processor) from it, so it never imports torch. A scheduler
+    process that dies is restarted by `self.supervisor` with backoff; meanwhile requests get
+    EngineDeadError (503)."""
+
+    def __init__(self, args: EngineArgs | None = None, log_level: str = "info",
+                 restart_policy: RestartPolicy | None = None) -> None:
         from genserve.srt.tokenizer_manager import load_tokenizer
 
         args = args or EngineArgs()
-        # Convert a GGUF (with a progress bar) here, once; the child loads the cached folder.
-        folder, name = resolve_model_folder(args.model_path, args.dtype, args.device)
+        self._log_level = log_level
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._states: dict[str, tuple[RequestState, asyncio.Queue]] = {}
+        self._control: dict[int, asyncio.Future] = {}
+        self._tokens = itertools.count(1)
+        self._closing = False
+        self.supervisor = ProcessSupervisor(
+            "the LLM scheduler process", lambda: self._spawn(self.args)[0], restart_policy)
+        self.args = args
+        pid, ready = self._spawn(args)
+        folder = Path(ready.pop("folder"))
+        # Restarts load the resolved folder: a GGUF is converted once.
         self.args = replace(args, model_path=str(folder))
+        name = ready["model_name"]
         self.model_name = name
         self.tokenizer = load_tokenizer(folder)
         from genserve.srt.multimodal.processor import VisionInputProcessor
 
         self.vision = VisionInputProcessor.from_folder(folder, args.max_images_per_request)
         self.modalities = ("text", "image") if self.vision is not None else ("text",)
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
+        self._info: dict[str, Any] = ready
+        self._info["model_path"] = args.model_path or name
+        self._info["modalities"] = list(self.modalities)
+        self.context_length = int(ready["context_length"])
+        self.generation_defaults = dict(ready.get("generation_defaults") or {})
+        self.supervisor.started(pid)
+
+    def _spawn(self, args: EngineArgs) -> tuple[int, dict[str, Any]]:
+        """Start a scheduler process and wait until its model is loaded: (pid, its model info
+        plus the resolved `folder`). Raises RuntimeError when it cannot start."""
         from genserve.srt.scheduler.process import run_scheduler_process
 
-        self._proc = ctx.Process(
+        ctx = mp.get_context("spawn")
+        conn, child_conn = ctx.Pipe()
+        proc = ctx.Process(
             target=run_scheduler_process,
-            args=(self.args, child_conn, log_level),
+            args=(args, child_conn, self._log_level),
             name="genserve-scheduler",
             daemon=True,
         )
-        self._proc.start()
+        proc.start()
         child_conn.close()
-        ready = self._wait_ready()
-        self._info: dict[str, Any] = ready.payload
-        self._info["model_path"] = args.model_path or name
-        self._info["model_name"] = name
-        self._info["modalities"] = list(self.modalities)
-        self.context_length = int(ready.payload["context_length"])
-        self.generation_defaults = dict(ready.payload.get("generation_defaults") or {})
-        self._dead: str | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._states: dict[str, tuple[RequestState, asyncio.Queue]] = {}
-        self._control: dict[int, asyncio.Future] = {}
-        self._tokens = itertools.count(1)
-        self._outbox: queue.Queue = queue.Queue()
-        threading.Thread(target=self._send_loop, name="genserve-send", daemon=True).start()
-        threading.Thread(target=self._recv_loop, name="genserve-recv", daemon=True).start()
+        try:
+            ready = self._wait_ready(proc, conn)
+        except BaseException:
+            proc.kill()
+            proc.join(5)
+            conn.close()
+            raise
+        link = _SchedulerLink(proc, conn)
+        self._link = link
+        threading.Thread(target=self._send_loop, args=(link,), name="genserve-send",
+                         daemon=True).start()
+        threading.Thread(target=self._recv_loop, args=(link,), name="genserve-recv",
+                         daemon=True).start()
+        return proc.pid, dict(ready.payload)
 
-    def _wait_ready(self) -> ControlResp:
+    @staticmethod
+    def _wait_ready(proc: Any, conn: Connection) -> ControlResp:
         while True:
-            if self._conn.poll(1.0):
-                msg = self._conn.recv()
-                if not msg.ok:
-                    self._proc.join(5)
-                    raise RuntimeError(f"LLM runtime failed to start: {msg.payload.get('error')}")
+            if conn.poll(1.0):
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    msg = None
+                if msg is None or not msg.ok:
+                    proc.join(5)
+                    error = msg.payload.get("error") if msg is not None else "no answer"
+                    raise RuntimeError(f"LLM runtime failed to start: {error}")
                 return msg
-            if not self._proc.is_alive():
+            if not proc.is_alive():
                 raise RuntimeError(
-                    f"LLM scheduler process exited during startup (code {self._proc.exitcode})"
+                    f"LLM scheduler process exited during startup (code {proc.exitcode})"
                 )
+
+    @property
+    def _dead(self) -> str | None:
+        if self.supervisor.ready:
+            return None
+        return f"the LLM scheduler process is {self.supervisor.state}"
 
     # ---- pipe I/O (threads) -----------------------------------------------------------------
 
-    def _send_loop(self) -> None:
+    def _send_loop(self, link: _SchedulerLink) -> None:
         while True:
-            msg = self._outbox.get()
+            msg = link.outbox.get()
             if msg is None:
                 return
             try:
-                self._conn.send(msg)
+                link.conn.send(msg)
             except (OSError, BrokenPipeError):
                 return
 
-    def _recv_loop(self) -> None:
+    def _recv_loop(self, link: _SchedulerLink) -> None:
         while True:
             try:
-                msg = self._conn.recv()
+                msg = link.conn.recv()
             except (EOFError, OSError):
-                code = self._proc.exitcode if not self._proc.is_alive() else None
-                self._dead = f"the LLM scheduler process died (exit code {code})"
-                if self._loop is not None:
-                    self._loop.call_soon_threadsafe(self._fail_all)
-                return
+                break
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._dispatch, msg)
+        link.outbox.put(None)
+        link.proc.join(5)
+        reason = f"the LLM scheduler process died (exit code {link.proc.exitcode})"
+        if not self._closing:
+            self.supervisor.process_died(reason)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_all, reason)
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, BatchReqOutput):
@@ -128,12 +179,13 @@ class AsyncEngine(LLMEngineClient):
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 
-    def _fail_all(self) -> None:
+    def _fail_all(self, reason: str) -> None:
+        # Every request sent to the dead process ends now (the new one never saw them).
         for _state, q in self._states.values():
-            q.put_nowait(EngineDeadError(self._dead or "the LLM runtime stopped"))
+            q.put_nowait(EngineDeadError(reason))
         for fut in self._control.values():
             if not fut.done():
-                fut.set_exception(EngineDeadError(self._dead or "the LLM runtime stopped"))
+                fut.set_exception(EngineDeadError(reason))
         self._control.clear()
 
     def _bind_loop(self) -> None:
@@ -180,9 +232,12 @@ class AsyncEngine(LLMEngineClient):
         )
         if tok_req.rid in self._states:
             raise ValueError(f"request id {tok_req.rid!r} is already running")
+        if self._dead:  # it died while this request was being tokenized
+            raise EngineDeadError(self._dead)
         state, q = RequestState(tok_req), asyncio.Queue()
         self._states[tok_req.rid] = (state, q)
-        self._outbox.put(tok_req)
+        link = self._link
+        link.outbox.put(tok_req)
         finished = False
         try:
             while True:
@@ -198,8 +253,8 @@ class AsyncEngine(LLMEngineClient):
                     return
         finally:
             self._states.pop(tok_req.rid, None)
-            if not finished and not self._dead:
-                self._outbox.put(AbortReq(tok_req.rid))
+            if not finished and link is self._link and not self._dead:
+                link.outbox.put(AbortReq(tok_req.rid))
 
     async def process_images(
         self, input_ids: list[int], images: list[bytes]
@@ -213,7 +268,7 @@ class AsyncEngine(LLMEngineClient):
     async def abort(self, rid: str) -> bool:
         if rid not in self._states:
             return False
-        self._outbox.put(AbortReq(rid))
+        self._link.outbox.put(AbortReq(rid))
         return True
 
     async def _call(self, kind: str, timeout: float = 30.0) -> ControlResp:
@@ -223,7 +278,7 @@ class AsyncEngine(LLMEngineClient):
         token = next(self._tokens)
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._control[token] = fut
-        self._outbox.put(ControlReq(kind, token))
+        self._link.outbox.put(ControlReq(kind, token))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
@@ -237,8 +292,13 @@ class AsyncEngine(LLMEngineClient):
         return resp.ok, resp.payload.get("error")
 
     async def server_info(self) -> dict[str, Any]:
-        info = dict((await self._call("server_info")).payload)
+        """The scheduler's live facts and `runtime` (the process's state, pid and restarts);
+        only `runtime` while the process is restarting."""
+        info: dict[str, Any] = {}
+        if not self._dead:
+            info.update((await self._call("server_info")).payload)
         info["num_inflight_reqs"] = len(self._states)
+        info["runtime"] = self.supervisor.report()
         return info
 
     def tokenize(self, text: str) -> list[int]:
@@ -284,16 +344,22 @@ class AsyncEngine(LLMEngineClient):
         return dict(self._info)
 
     def is_healthy(self) -> bool:
-        return self._dead is None and self._proc.is_alive()
+        return self._dead is None and self._link.proc.is_alive()
+
+    def runtime_report(self) -> dict[str, Any]:
+        return self.supervisor.report()
 
     async def shutdown(self) -> None:
-        self.close()
+        await asyncio.to_thread(self.close)
 
     def close(self) -> None:
-        if self._proc.is_alive():
-            self._outbox.put(ControlReq("shutdown", 0))
-            self._proc.join(10)
-            if self._proc.is_alive():
-                self._proc.terminate()
-                self._proc.join(5)
-        self._outbox.put(None)
+        self._closing = True
+        self.supervisor.stop()
+        link = self._link
+        if link.proc.is_alive():
+            link.outbox.put(ControlReq("shutdown", 0))
+            link.proc.join(10)
+            if link.proc.is_alive():
+                link.proc.kill()  # it ignores SIGTERM (see supervision.py)
+                link.proc.join(5)
+        link.outbox.put(None)

@@ -71,6 +71,11 @@ class LLMEngineClient(ABC):
     async def server_info(self) -> dict[str, Any]:
         """Live facts: KV pool size/usage, cache stats, running/waiting requests, integrity."""
 
+    def runtime_report(self) -> dict[str, Any]:
+        """The scheduler process as /health shows it: `state` (starting | ready | restarting |
+        stopped), and where known its `pid` and number of `restarts`."""
+        return {"state": "ready" if self.is_healthy() else "stopped"}
+
     @abstractmethod
     def is_healthy(self) -> bool:
         """False once the scheduler process has died."""

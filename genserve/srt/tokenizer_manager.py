@@ -22,16 +22,29 @@ MAX_TOKEN_IDS_LOGPROB = 64
 
 
 def load_tokenizer(folder: Any) -> Any | None:
-    """The folder's HF tokenizer, or None for weight-only folders (input_ids requests only)."""
+    """The folder's HF tokenizer, or None for weight-only folders (input_ids requests only).
+
+    The class named by tokenizer_config.json is loaded directly: AutoTokenizer reads the model
+    config through transformers' configuration module, which imports torch, and the gateway
+    process (which tokenizes) must not."""
+    import json
     from pathlib import Path
 
     folder = Path(folder)
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     if not any((folder / n).is_file() for n in names):
         return None
-    from transformers import AutoTokenizer
+    import transformers
 
-    return AutoTokenizer.from_pretrained(str(folder))
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    name = config.get("tokenizer_class")
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if cls is None and (folder / "tokenizer.json").is_file():
+        cls = transformers.PreTrainedTokenizerFast
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase)):
+        cls = transformers.AutoTokenizer  # a class only the auto mapping knows
+    return cls.from_pretrained(str(folder))
 
 
 def expand_n(params: SamplingParams) -> list[SamplingParams]:

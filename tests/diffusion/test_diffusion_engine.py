@@ -167,28 +167,38 @@ def test_step_cache_override_reports_cached_steps(diffusion_client):
     assert events[-1].cached_steps > 0 and events[-1].total_steps == 8
 
 
-def test_crashed_worker_fails_in_flight_requests_with_503():
+def test_crashed_worker_fails_in_flight_with_503_then_restarts():
     from genserve.multimodal_gen.engine_client import WorkerDiffusionClient
     from genserve.multimodal_gen.worker import WorkerConfig
+    from genserve.supervision import RestartPolicy
 
-    client = WorkerDiffusionClient(WorkerConfig(("tiny-flux",), num_threads=1))
+    client = WorkerDiffusionClient(WorkerConfig(("tiny-flux",), num_threads=1),
+                                   restart_policy=RestartPolicy(initial_delay_s=0.5))
+    first_pid = client.runtime_report()["pid"]
 
     async def main():
         events = []
         async for event in client.stream(image_req("doomed", 1, num_inference_steps=80)):
             events.append(event)
             if len(events) == 1:
-                os.kill(client._proc.pid, signal.SIGKILL)
+                os.kill(first_pid, signal.SIGKILL)
         late = await collect(client, image_req("late", 1))
-        return events, late
+        while not client.is_healthy():
+            await asyncio.sleep(0.1)
+        again = await collect(client, image_req("again", 1))
+        return events, late, again
 
     try:
-        events, late = asyncio.run(asyncio.wait_for(main(), timeout=60))
+        events, late, again = asyncio.run(asyncio.wait_for(main(), timeout=240))
         assert isinstance(events[-1], ErrorEvent) and events[-1].status == 503
-        assert not client.is_healthy()
         assert late[-1].status == 503
+        assert isinstance(again[-1], ResultEvent)
+        report = client.runtime_report()
+        assert report["restarts"] == 1 and report["pid"] != first_pid
+        assert report["state"] == "ready" and report["integrity_error"] is None
     finally:
         asyncio.run(client.shutdown())
+    assert client.runtime_report()["state"] == "stopped"
 
 
 def test_gateway_side_never_imports_torch():

@@ -439,3 +439,24 @@ def test_malloc_tuning_reuses_freed_tensor_memory():
     assert not untuned
     assert default_faults > 10_000  # 5 rounds x 30 blocks x 1-4 MiB of fresh pages
     assert tuned_faults < default_faults / 50
+
+
+def test_worker_reports_a_failed_self_check_and_keeps_serving():
+    import queue
+
+    from genserve.multimodal_gen.messages import WorkerHealth
+    from genserve.multimodal_gen.worker import WorkerConfig, _Worker
+
+    outbox: queue.Queue = queue.Queue()
+    worker = _Worker(WorkerConfig(("m",)), queue.Queue(), outbox)
+    worker.self_check()
+    assert outbox.empty()  # passing, as before: nothing to report
+    worker.reported["gone"] = 3  # a step count kept for a request that is not queued
+    worker.self_check()
+    worker.self_check()  # reported once per change, not on every idle tick
+    health = outbox.get_nowait()
+    assert isinstance(health, WorkerHealth) and "gone" in health.integrity_error
+    assert outbox.empty() and worker.integrity_error == health.integrity_error
+    worker.reported.clear()
+    worker.self_check()
+    assert outbox.get_nowait() == WorkerHealth(None) and worker.integrity_error is None

@@ -24,6 +24,9 @@ class _DiffusionStub:
     def is_healthy(self) -> bool:
         return self.healthy
 
+    def runtime_report(self) -> dict[str, Any]:
+        return {"state": "ready" if self.healthy else "restarting", "pid": 7, "restarts": 0}
+
 
 def test_models_and_health_cover_both_runtimes():
     diffusion = _DiffusionStub()
@@ -42,6 +45,8 @@ def test_models_and_health_cover_both_runtimes():
     diffusion.healthy = False
     r = client.get("/health")
     assert r.status_code == 503 and r.json()["components"]["diffusion"] is False
+    assert r.json()["runtimes"]["diffusion"]["state"] == "restarting"
+    assert r.json()["runtimes"]["llm-a"] == {"state": "ready"}
     paths = set(app.openapi()["paths"])
     assert {"/generate", "/v1/chat/completions", "/metrics"} <= paths
     assert "/v1/images/generations" in paths and "/v1/videos" in paths

@@ -10,7 +10,9 @@ import sys
 import genserve.entrypoints.app, genserve.entrypoints.cli
 from genserve.entrypoints.config import GatewayConfig
 genserve.entrypoints.app.create_app(GatewayConfig(), [])
-import genserve.bench.serving, genserve.bench.http_vs_offline
+import genserve.bench.serving, genserve.bench.http_vs_offline, genserve.bench.server_process
+# What AsyncEngine imports in the gateway process to start and feed its scheduler process.
+import genserve.srt.async_engine, genserve.srt.scheduler.process, genserve.supervision
 assert 'torch' not in sys.modules, 'torch was imported'
 """
 

@@ -236,6 +236,8 @@ async def server_info(state: GatewayState, model: str | None) -> dict[str, Any]:
     }
     info.update(await client.server_info())
     state.metrics.update_server_info(client.model_name, info)
+    if state.diffusion_client is not None:  # its worker's state and self-check result
+        info["diffusion"] = state.diffusion_client.runtime_report()
     info["time"] = time.time()
     return info
 

@@ -15,9 +15,9 @@ def build_router() -> APIRouter:
 
     @router.get("/health")
     async def health(state: GatewayState = Depends(get_state)) -> JSONResponse:
-        ok, report = serving.health(state)
-        return JSONResponse({"status": "ok" if ok else "unhealthy", "components": report},
-                            status_code=200 if ok else 503)
+        ok, report, runtimes = serving.health(state)
+        return JSONResponse({"status": "ok" if ok else "unhealthy", "components": report,
+                             "runtimes": runtimes}, status_code=200 if ok else 503)
 
     @router.get("/v1/models")
     async def models(state: GatewayState = Depends(get_state)) -> JSONResponse:

@@ -14,12 +14,15 @@ logger = logging.getLogger(__name__)
 _SERVER_INFO_TIMEOUT_S = 2.0
 
 
-def health(state: GatewayState) -> tuple[bool, dict[str, Any]]:
-    """(all healthy, per-component report)."""
+def health(state: GatewayState) -> tuple[bool, dict[str, Any], dict[str, Any]]:
+    """(all healthy, per-component up/down, per-component runtime process report: state
+    starting | ready | restarting | stopped, pid, restarts)."""
     report: dict[str, Any] = {c.model_name: c.is_healthy() for c in state.llm_clients}
+    runtimes: dict[str, Any] = {c.model_name: c.runtime_report() for c in state.llm_clients}
     if state.diffusion_client is not None:
         report["diffusion"] = state.diffusion_client.is_healthy()
-    return all(report.values()), report
+        runtimes["diffusion"] = state.diffusion_client.runtime_report()
+    return all(report.values()), report, runtimes
 
 
 def list_models(state: GatewayState) -> dict[str, Any]:

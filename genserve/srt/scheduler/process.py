@@ -1,5 +1,9 @@
 """Entry point of the scheduler process: owns the model, runs the scheduling loop and talks to
-the tokenizer manager (`genserve.srt.async_engine.AsyncEngine`) over a multiprocessing pipe."""
+the tokenizer manager (`genserve.srt.async_engine.AsyncEngine`) over a multiprocessing pipe.
+
+A failed integrity check is logged and reported in `server_info` (`integrity_error`); the process
+keeps serving. An exception in a step is a bug: it is logged and ends the process, which the
+gateway restarts."""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ import logging
 import traceback
 from multiprocessing.connection import Connection
 
-from genserve.srt.mem_cache import IntegrityError
 from genserve.srt.messages import (
     AbortReq,
     BatchReqOutput,
@@ -16,6 +19,7 @@ from genserve.srt.messages import (
     TokenizedGenerateReq,
 )
 from genserve.srt.server_args import EngineArgs
+from genserve.supervision import ignore_termination_signals
 
 logger = logging.getLogger("genserve.scheduler")
 
@@ -24,6 +28,10 @@ def run_scheduler_process(args: EngineArgs, conn: Connection, log_level: str = "
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s [scheduler] %(message)s"
     )
+    ignore_termination_signals()
+    # torch is imported here, in the child: the gateway imports this module to name the target.
+    from genserve.srt.mem_cache import IntegrityError
+
     try:
         from genserve.srt.engine_core import build_runtime
 
@@ -31,7 +39,9 @@ def run_scheduler_process(args: EngineArgs, conn: Connection, log_level: str = "
     except Exception as exc:  # report load failures to the parent instead of dying silently
         conn.send(ControlResp("ready", 0, False, {"error": f"{type(exc).__name__}: {exc}"}))
         return
-    conn.send(ControlResp("ready", 0, True, runtime.model_info()))
+    # The resolved folder (a GGUF converted here): the gateway loads its tokenizer from it.
+    conn.send(ControlResp("ready", 0, True, {**runtime.model_info(),
+                                             "folder": str(runtime.folder)}))
     sched = runtime.scheduler
     integrity_error: str | None = None
     checked_idle = False
@@ -79,6 +89,8 @@ def _control(sched, msg: ControlReq, integrity_error: str | None) -> ControlResp
         info["integrity_error"] = integrity_error
         return ControlResp(msg.kind, msg.token, True, info)
     if msg.kind == "check_integrity":
+        from genserve.srt.mem_cache import IntegrityError
+
         if sched.has_work():
             return ControlResp(msg.kind, msg.token, False, {"error": "requests are running"})
         try:

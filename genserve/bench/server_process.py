@@ -1,0 +1,119 @@
+"""`genserve serve` as a child process for the fuzz and soak benchmarks (loopback only), and the
+resident memory of its processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+
+# The fuzz and soak benchmarks' server: bounded work per request (a short context caps LLM
+# generation), two realtime sessions at most, a quick drain.
+ROBUSTNESS_FLAGS = ("--dtype", "float32", "--context-length", "256", "--max-realtime-sessions",
+                    "2", "--shutdown-timeout", "10")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+
+    def pids(self) -> dict[str, int]:
+        """The gateway and each runtime process (from /health), by name."""
+        out = {"gateway": self.proc.pid}
+        runtimes = httpx.get(self.url + "/health", timeout=30).json().get("runtimes", {})
+        for name, report in runtimes.items():
+            if report.get("pid"):
+                out[name] = int(report["pid"])
+        return out
+
+    def rss_mib(self) -> dict[str, float]:
+        return {name: rss_mib(pid) for name, pid in self.pids().items()}
+
+    def log_tail(self, chars: int = 4000) -> str:
+        with open(self.log_path) as f:
+            return f.read()[-chars:]
+
+
+def rss_mib(pid: int) -> float:
+    """Resident set size of a process in MiB (from /proc)."""
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@contextlib.contextmanager
+def serve(*flags: str, start_timeout: float = 600.0) -> Iterator[ServerProcess]:
+    """`genserve serve <flags>` on a free loopback port, yielded once /health answers 200;
+    SIGTERM (then SIGKILL) afterwards. Its log goes to a temporary file."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix="genserve-", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--host", "127.0.0.1",
+         "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT, text=True)
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log.name)
+    try:
+        deadline = time.monotonic() + start_timeout
+        while proc.poll() is None:
+            try:
+                if httpx.get(server.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"genserve serve did not start:\n{server.log_tail()}")
+            time.sleep(0.5)
+        if proc.poll() is not None:
+            raise RuntimeError(f"genserve serve exited:\n{server.log_tail()}")
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+        os.unlink(log.name)
+
+
+def server_problems(url: str) -> list[str]:
+    """Problems with a server that should be idle and intact: health, restarts, pools."""
+    problems: list[str] = []
+    deadline = time.monotonic() + 120
+    while True:  # queued work (video jobs) may still be finishing
+        health = httpx.get(url + "/health", timeout=30)
+        info = httpx.get(url + "/get_server_info", timeout=30).json()
+        diffusion = health.json().get("runtimes", {}).get("diffusion", {})
+        busy = info.get("num_running_reqs") or info.get("num_waiting_reqs") or (
+            diffusion.get("queue_depth"))
+        if not busy or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if health.status_code != 200:
+        problems.append(f"/health answers {health.status_code}: {health.text[:300]}")
+    for name, runtime in health.json().get("runtimes", {}).items():
+        if runtime.get("restarts"):
+            problems.append(f"{name} restarted {runtime['restarts']} time(s)")
+        if runtime.get("integrity_error"):
+            problems.append(f"{name}: {runtime['integrity_error']}")
+    if info.get("integrity_error"):
+        problems.append(f"LLM pools: {info['integrity_error']}")
+    if busy:
+        problems.append(f"still busy two minutes after the run: {info}")
+    return problems
