@@ -67,10 +67,10 @@ QUESTIONS: dict[str, tuple[str, ...]] = {
 # last attribute the model picks up) gets its own question more often.
 KIND_WEIGHTS = {
     "describe": 0.3,
-    "colour": 0.1,
-    "shape": 0.3,
-    "position": 0.15,
-    "background": 0.15,
+    "colour": 0.05,
+    "shape": 0.45,
+    "position": 0.1,
+    "background": 0.1,
 }
 
 
