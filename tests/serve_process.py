@@ -19,12 +19,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_process(*flags: str, start_timeout: float = 300.0) -> Iterator[str]:
-    """`genserve serve --no-diffusion --dtype float32 <flags>` on a free loopback port; yields
-    its URL once /health answers 200, and stops it (SIGTERM, then kill) afterwards."""
+def serve_process(
+    *flags: str, start_timeout: float = 300.0, diffusion: bool = False
+) -> Iterator[str]:
+    """`genserve serve --no-diffusion --dtype float32 <flags>` (without `--no-diffusion` when
+    `diffusion`) on a free loopback port; yields its URL once /health answers 200, and stops it
+    (SIGTERM, then kill) afterwards."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-diffusion",
+        [sys.executable, "-m", "genserve.entrypoints.cli", "serve",
+         *([] if diffusion else ["--no-diffusion"]),
          "--port", str(port), "--dtype", "float32", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
