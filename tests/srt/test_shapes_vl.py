@@ -79,3 +79,9 @@ def test_short_answers_are_single_attributes(engine):
         "position": "top left",
         "background": "white",
     }
+
+
+def test_served_by_name():
+    from genserve.srt.model_loader import resolve_model_folder
+
+    assert resolve_model_folder("shapes-vl") == (WEIGHTS_PATH, "shapes-vl")
