@@ -20,10 +20,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_process(*flags: str, start_timeout: float = 300.0) -> Iterator[str]:
-    """`genserve serve --no-diffusion --dtype float32 <flags>` on a free loopback port; yields
-    its URL once /health answers 200, and stops it (SIGTERM, then kill) afterwards."""
-    with serve_subprocess("--no-diffusion", *flags, start_timeout=start_timeout) as (_, url):
+def serve_process(*flags: str, start_timeout: float = 300.0,
+                  diffusion: bool = False) -> Iterator[str]:
+    """`genserve serve --no-diffusion --dtype float32 <flags>` (without `--no-diffusion` when
+    `diffusion`) on a free loopback port; yields its URL once /health answers 200, and stops it
+    (SIGTERM, then kill) afterwards."""
+    no_diffusion = [] if diffusion else ["--no-diffusion"]
+    with serve_subprocess(*no_diffusion, *flags, start_timeout=start_timeout) as (_, url):
         yield url
 
 

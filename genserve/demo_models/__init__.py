@@ -1,3 +1,5 @@
-"""Trained demo diffusion models (`shapes-image`, `shapes-video`) and everything that makes them:
-the procedural world (`world`), the scorer (`scorer`), the pipeline (`pipeline`), configs
-(`models`), training (`train`) and evaluation (`evaluate`). Weights live in `weights/`."""
+"""Trained demo models of the shapes world and everything that makes them. Diffusion
+(`shapes-image`, `shapes-video`): the procedural world (`world`), the scorer (`scorer`), the
+pipeline (`pipeline`), configs (`models`), training (`train`) and evaluation (`evaluate`).
+Vision-language (`shapes-vl`): config and tokenizer (`vl_model`), samples (`vl_data`), training
+(`vl_train`) and evaluation (`vl_evaluate`). Weights live in `weights/`."""

@@ -17,7 +17,7 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LLM runtime")
     g.add_argument("--model-path", action="append", default=None, metavar="PATH",
                    help="HF folder or .gguf file of an LLM (repeatable). Default: the embedded "
-                        "SmolLM2-135M-Instruct.")
+                        "SmolLM2-135M-Instruct and the vision-language demo model shapes-vl.")
     g.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                    help="Extra name under which the first LLM is served (repeatable).")
     g.add_argument("--dtype", default=None, choices=("auto", "bfloat16", "float16", "float32"),

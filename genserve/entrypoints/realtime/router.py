@@ -20,6 +20,7 @@ UI_ASSETS = {
     "styles.css": "text/css; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
     "decoder_worker.js": "text/javascript; charset=utf-8",
+    "chat.js": "text/javascript; charset=utf-8",
 }
 # The UI is small and changes with the server version: always revalidate.
 _NO_CACHE = {"Cache-Control": "no-cache"}

@@ -1,0 +1,50 @@
+"""Small-budget runs of the fuzz and soak benchmarks (benchmarks/fuzz_api.py, soak.py) against
+one real `genserve serve`: no 5xx and no hang for schema-generated requests to every operation,
+and mixed traffic with dropped clients loses no request and leaves the pools intact."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from genserve.bench.server_process import ROBUSTNESS_FLAGS, serve, server_problems
+from tests.needs import smollm2_folder
+
+smollm2_folder(module_level=True)
+_BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, _BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve(*ROBUSTNESS_FLAGS) as server:
+        yield server
+
+
+def test_fuzzed_requests_get_no_5xx_and_no_hang(server):
+    report = _load("fuzz_api").fuzz(server.url, cases_per_operation=6, request_timeout=30.0,
+                                    time_budget_s=45.0)
+    assert report.cases >= 100, report.to_dict()
+    assert report.ok, report.to_dict()
+
+
+def test_short_mixed_soak_loses_no_request(server):
+    result = asyncio.run(_load("soak").traffic(server, duration=25.0, warmup=5.0, seed=1,
+                                                lanes=1))
+    assert result["lost_count"] == 0, result["lost"]
+    outcomes = result["outcomes"]
+    assert {"llm", "image", "video", "realtime"} <= set(outcomes), outcomes
+    assert outcomes["llm"].get("ok") and outcomes["image"].get("ok"), result
+    assert outcomes["video"].get("ok") and outcomes["realtime"].get("dropped"), result
+    assert server_problems(server.url) == []
