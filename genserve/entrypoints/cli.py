@@ -23,6 +23,11 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, choices=("auto", "bfloat16", "float16", "float32"),
                    help="Weights and activations dtype (default auto: the runtime picks).")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
+    g.add_argument("--quantization", default="auto", choices=("none", "int8wo", "int4wo", "auto"),
+                   help="Weight-only quantization of the linear layers (torchao). auto "
+                        "(default) keeps a GGUF's precision (Q8 -> int8wo, Q4/Q5 -> int4wo, or "
+                        "int8wo where int4 is measured slower) and leaves full-precision "
+                        "checkpoints as they are.")
     g.add_argument("--attention-backend", default=None, choices=("torch", "triton"))
     g.add_argument("--schedule-policy", default="fcfs", choices=("fcfs", "lpm", "dfs-weight"))
     g.add_argument("--max-running-requests", type=int, default=64)

@@ -46,7 +46,8 @@ def engine_args_from(args: argparse.Namespace, model_path: str | None) -> Any:
         "jump_forward": not getattr(args, "disable_jump_forward", False),
     }
     for name in ("dtype", "mem_fraction", "chunked_prefill_size", "page_size", "num_threads",
-                 "grammar_backend", "max_images_per_request", "image_cache_bytes"):
+                 "grammar_backend", "max_images_per_request", "image_cache_bytes",
+                 "quantization"):
         value = getattr(args, name, None)
         if value is not None:  # else the runtime's default
             kwargs[name] = value

@@ -11,7 +11,7 @@ import torch
 
 from genserve.srt.chat_roles import chat_role_markers
 from genserve.srt.model_config import ModelConfig
-from genserve.srt.model_loader import resolve_model_folder
+from genserve.srt.model_loader import gguf_path_of, gguf_precision_class, resolve_model_folder
 from genserve.srt.model_runner import ModelRunner
 from genserve.srt.scheduler.scheduler import Scheduler
 from genserve.srt.server_args import EngineArgs
@@ -38,6 +38,7 @@ class Runtime:
             "architecture": cfg.architecture,
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "device": str(self.runner.device),
+            "quantization": self.runner.quantization,
             "attention_backend": self.runner.attention_backend_name,
             "context_length": self.runner.context_length,
             "vocab_size": cfg.vocab_size,
@@ -68,14 +69,19 @@ def build_runtime(args: EngineArgs) -> Runtime:
     config = ModelConfig.from_folder(folder)
     tokenizer = load_tokenizer(folder)
     context_length = context_length_for(args, config)
-    runner = ModelRunner(args, config, folder, context_length)
+    source_precision = None
+    if args.quantization == "auto":
+        gguf = gguf_path_of(args.model_path)
+        source_precision = gguf_precision_class(gguf) if gguf is not None else None
+    runner = ModelRunner(args, config, folder, context_length, source_precision)
     scheduler = Scheduler(args, runner, tokenizer)
     kv_gib = runner.max_total_tokens * runner.kv_bytes_per_token() / 2**30
     logger.info(
-        "loaded %s (%s, %s, %s backend): KV pool %d tokens (%.2f GiB), context %d",
+        "loaded %s (%s, %s, quantization %s, %s backend): KV pool %d tokens (%.2f GiB), context %d",
         name,
         config.architecture,
         runner.dtype,
+        runner.quantization,
         runner.attention_backend_name,
         runner.max_total_tokens,
         kv_gib,

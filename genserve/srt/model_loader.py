@@ -190,6 +190,43 @@ def check_gguf(gguf: Path) -> str:
     return hf_arch
 
 
+# GGML tensor types by the weight-only precision that keeps their information.
+_GGUF_INT8_TYPES = frozenset({"Q8_0", "Q8_1", "Q8_K", "Q6_K"})
+_GGUF_FULL_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+
+
+def gguf_path_of(model_path: str | os.PathLike | None) -> Path | None:
+    """The GGUF file a model path names (None for the embedded default's), or None when the
+    path is not a GGUF."""
+    if model_path is None:
+        return embedded_gguf_path()
+    path = Path(model_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    return None
+
+
+def gguf_precision_class(gguf: Path) -> str | None:
+    """Returns "int4" / "int8" when most of a GGUF's layer matrices are stored in 2-6 / 8 bits, None
+    when they are full precision (F16 / BF16 / F32). Reads metadata only."""
+    from gguf import GGUFReader
+
+    counts: dict[str, int] = {}
+    for t in GGUFReader(str(gguf)).tensors:
+        if t.name.startswith("blk.") and len(t.shape) == 2:
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    if not counts:
+        return None
+    dominant = max(counts, key=lambda k: counts[k])
+    if dominant in _GGUF_FULL_TYPES:
+        return None
+    return "int8" if dominant in _GGUF_INT8_TYPES else "int4"
+
+
 def _gguf_to_folder(gguf: Path, dtype: torch.dtype) -> Path:
     """Dequantize a GGUF once into `dtype` and cache it as an HF folder."""
     stat = gguf.stat()

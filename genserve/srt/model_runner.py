@@ -11,6 +11,7 @@ import torch
 from genserve.srt.device import resolve_device, resolve_dtype
 from genserve.srt.forward_batch import ForwardBatch, ForwardMode
 from genserve.srt.layers.attention.base import AttentionBackend
+from genserve.srt.layers.quantization import choose_quantization, quantize_model
 from genserve.srt.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from genserve.srt.model_config import ModelConfig
 from genserve.srt.model_loader import load_checkpoint, load_state_dict
@@ -84,7 +85,16 @@ def create_attention_backend(name: str, runner: ModelRunner) -> AttentionBackend
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs, config: ModelConfig, folder: Path, context_length: int):
+    def __init__(
+        self,
+        args: EngineArgs,
+        config: ModelConfig,
+        folder: Path,
+        context_length: int,
+        source_precision: str | None = None,
+    ):
+        """source_precision: "int8" / "int4" when the weights came from a GGUF stored in that
+        precision class (what `--quantization auto` keeps), None for full precision."""
         self.args = args
         self.config = config
         self.device = resolve_device(args.device)
@@ -105,6 +115,7 @@ class ModelRunner:
             moe=args.moe_kernel or kernel,
         )
         self.model = load_model(config, folder, self.device, self.dtype, self.kernels)
+        self.quantization = self._quantize(args.quantization, source_precision)
         if backend == "triton":
             unsupported = [
                 i.layer_id
@@ -132,6 +143,25 @@ class ModelRunner:
         )
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
         self.attn_backend = create_attention_backend(backend, self)
+
+    def _quantize(self, requested: str, source_precision: str | None) -> str:
+        """Apply weight-only quantization; returns the mode the model runs in."""
+        if requested == "none":
+            return "none"
+        if self.config.multimodal is not None:
+            if requested == "auto":
+                return "none"
+            raise ValueError(
+                f"--quantization {requested} is not supported for vision-language models; "
+                "use --quantization none"
+            )
+        choice = choose_quantization(requested, source_precision, self.model, self.device)
+        n = quantize_model(self.model, choice.mode)
+        logger.info(
+            "quantization %s (%s): %s%d M weights", choice.mode, choice.reason,
+            f"requested {requested}, " if requested != choice.mode else "", n // 10**6
+        )
+        return choice.mode
 
     def kv_bytes_per_token(self) -> int:
         elt = torch.tensor([], dtype=self.dtype).element_size()

@@ -9,6 +9,7 @@ ATTENTION_BACKENDS = ("torch", "triton")
 KERNELS = ("torch", "triton")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
+QUANTIZATIONS = ("none", "int8wo", "int4wo", "auto")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,12 @@ class EngineArgs:
     grammar_compile_timeout_s: float = 30.0  # a grammar still compiling after this is a 400
     # Append the text a grammar forces without decode steps (one extend computes its KV).
     jump_forward: bool = True
+    # Weight-only quantization of the linear layers (torchao): none | int8wo | int4wo | auto
+    # (auto keeps a GGUF's precision class and leaves full-precision checkpoints as they are;
+    # `genserve serve` defaults to auto, the Engine to none: exact Hugging Face outputs).
+    quantization: str = "none"
+    # torch.compile the decode forward (needs a C++ compiler on CPU).
+    compile: bool = False
     # Vision-language models: byte budget of the image-embedding LRU, images per request.
     image_cache_bytes: int = 512 * 1024 * 1024
     max_images_per_request: int = 16
@@ -48,6 +55,10 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "

@@ -92,6 +92,7 @@ def scheduler_info(s: Scheduler) -> dict[str, Any]:
     compiling = len(s.compiling) if s.compiling is not None else 0
     return {
         "max_total_tokens": s.max_total_tokens,
+        "quantization": s.runner.quantization,
         "available_tokens": free,
         "kv_used_tokens": used,
         "kv_usage": used / s.max_total_tokens,

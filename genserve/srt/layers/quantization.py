@@ -1,0 +1,249 @@
+"""Weight-only quantization of a loaded model's linear layers with torchao.
+
+Modes: `none` (the serving dtype), `int8wo` (int8 weights, one scale per output row) and `int4wo`
+(4-bit weights in groups along the input dimension, a scale and a zero per group). Activations
+stay in the model's dtype between layers; each quantized matmul runs in bfloat16 (float16 for
+float16 models on CUDA), the activation dtype torch's packed-weight kernels are fast in, and its
+output goes back to the model's dtype.
+
+torchao does the quantization math (`Int8Tensor.from_hp`, the int4 configs). The matmuls are
+torch's packed-weight kernels: `aten._weight_int8pack_mm` for int8, and for int4 the torchao
+tensor whose linear calls `aten._weight_int4pack_mm_for_cpu` (CPU, `PrototypeInt4WeightOnly
+Config`) or tinygemm's `aten._weight_int4pack_mm` (CUDA, the tile-packed format).
+
+`auto` keeps a GGUF's precision class (Q8_0 / Q6_K -> int8wo, Q4 / Q5 and lower -> int4wo) and
+leaves full-precision checkpoints as they are (their outputs then match Hugging Face's token for
+token); on a CPU where int4wo is measured slower than int8wo for the model's own layer shapes,
+a 4-bit GGUF runs as int8wo, and the start-up log says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("none", "int8wo", "int4wo", "auto")
+# int4 group sizes tried from the smallest (most exact; a Q4 GGUF's own groups are 32 wide).
+_INT4_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class QuantizationChoice:
+    """The mode a model runs in and why (the reason goes to the start-up log)."""
+
+    mode: str  # none | int8wo | int4wo
+    reason: str
+
+
+def _act_dtype(weight: torch.Tensor) -> torch.dtype:
+    if weight.device.type == "cuda" and weight.dtype == torch.float16:
+        return torch.float16
+    return torch.bfloat16
+
+
+def int4_group_size(in_features: int) -> int | None:
+    """The int4 group size for a layer `in_features` wide, or None when none divides it."""
+    for g in _INT4_GROUP_SIZES:
+        if in_features % g == 0:
+            return g
+    return None
+
+
+class WeightOnlyLinear(nn.Module):
+    """A linear layer whose weight is stored quantized (int8 per row or int4 per group); the
+    bias, if any, stays in the model's dtype."""
+
+    def __init__(self, linear: nn.Linear, mode: str) -> None:
+        super().__init__()
+        from torchao.quantization import quantize_
+
+        weight = linear.weight.detach()
+        self.mode = mode
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.act_dtype = _act_dtype(weight)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), False)
+        if mode == "int8wo":
+            from torchao.quantization import PerRow
+            from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
+
+            q = Int8Tensor.from_hp(weight.float(), granularity=PerRow())
+            self.register_buffer("qweight", q.qdata.contiguous())  # [out, in] int8
+            self.register_buffer("scale", q.scale.reshape(-1).to(self.act_dtype))  # [out]
+            return
+        if mode != "int4wo":
+            raise ValueError(f"WeightOnlyLinear mode must be int8wo or int4wo, got {mode!r}")
+        group = int4_group_size(self.in_features)
+        if group is None:
+            raise ValueError(
+                f"int4wo needs layer widths divisible by {_INT4_GROUP_SIZES[0]}; this layer "
+                f"has in_features={self.in_features}"
+            )
+        inner = nn.Linear(
+            self.in_features,
+            self.out_features,
+            bias=False,
+            device=weight.device,
+            dtype=torch.bfloat16,
+        )
+        with torch.no_grad():
+            inner.weight.copy_(weight)
+        quantize_(inner, _int4_config(weight.device, group))
+        self.qweight = inner.weight  # a torchao tensor subclass: F.linear runs the int4 kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x.to(self.act_dtype)
+        if self.mode == "int8wo":
+            flat = a.reshape(-1, self.in_features)
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        else:
+            y = F.linear(a, self.qweight)
+        y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.mode}"
+
+
+def _int4_config(device: torch.device, group: int):
+    if device.type == "cpu":
+        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+
+        return PrototypeInt4WeightOnlyConfig(group_size=group, set_inductor_config=False)
+    from torchao.quantization import Int4WeightOnlyConfig
+
+    return Int4WeightOnlyConfig(
+        group_size=group, int4_packing_format="tile_packed_to_4d", set_inductor_config=False
+    )
+
+
+def quantizable_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """Every plain linear layer (attention and MLP projections, lm_head); MoE expert stacks
+    are not nn.Linear and stay in the serving dtype."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def check_supported(mode: str, model: nn.Module, device: torch.device) -> None:
+    """Raise ValueError naming the mode and what works when this model/device cannot run it."""
+    if mode == "none":
+        return
+    works = "--quantization none" + (" or int8wo" if mode == "int4wo" else "")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--quantization {mode} runs on cpu and cuda, not {device.type}")
+    op = (
+        "_weight_int8pack_mm"
+        if mode == "int8wo"
+        else ("_weight_int4pack_mm_for_cpu" if device.type == "cpu" else "_weight_int4pack_mm")
+    )
+    if not hasattr(torch.ops.aten, op):
+        raise ValueError(
+            f"--quantization {mode} needs torch's aten.{op} kernel, which this torch build "
+            f"lacks; use {works}"
+        )
+    try:
+        import torchao  # noqa: F401
+    except ImportError as e:
+        raise ValueError(
+            f"--quantization {mode} needs torchao (pip install --no-deps torchao): {e}"
+        ) from None
+    if mode == "int4wo":
+        bad = [
+            (n, m.in_features)
+            for n, m in quantizable_linears(model)
+            if int4_group_size(m.in_features) is None
+        ]
+        if bad:
+            raise ValueError(
+                f"--quantization int4wo needs every linear layer's input width divisible by "
+                f"{_INT4_GROUP_SIZES[0]}; {bad[0][0]} has {bad[0][1]}. Use {works}"
+            )
+
+
+def quantize_model(model: nn.Module, mode: str) -> int:
+    """Replace the model's linear layers by weight-only quantized ones (in place). A lm_head
+    tied to the input embedding gets its own quantized copy (int8 under int4wo too); the
+    embedding keeps its dtype (a lookup reads one row per token). Returns the number of
+    weights quantized."""
+    if mode == "none":
+        return 0
+    count = 0
+    for name, linear in quantizable_linears(model):
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        # The output projection keeps 8 bits under int4wo (as GGUF files store it in Q6/Q8):
+        # in 4 bits it moved SmolLM2's greedy tokens far more than all the other layers did.
+        layer_mode = "int8wo" if mode == "int4wo" and name == "lm_head" else mode
+        setattr(parent, attr, WeightOnlyLinear(linear, layer_mode))
+        count += linear.weight.numel()
+    return count
+
+
+def _time_layers(layers: list[nn.Module], x: torch.Tensor, reps: int = 3) -> float:
+    with torch.inference_mode():
+        for layer in layers:  # warm up: first calls allocate
+            layer(x)
+        start = time.perf_counter()
+        for _ in range(reps):
+            for layer in layers:
+                layer(x)
+        return time.perf_counter() - start
+
+
+def int4_beats_int8(model: nn.Module, device: torch.device) -> tuple[bool, float, float]:
+    """Time int4wo against int8wo at batch 1 on copies of the model's MLP input projection
+    shapes (enough distinct layers to leave the CPU caches), before choosing. Returns
+    (int4 faster, int4 seconds, int8 seconds)."""
+    linears = [m for _, m in quantizable_linears(model)]
+    widest = max(linears, key=lambda m: m.weight.numel() if m.out_features < 8192 else 0)
+    n, k = widest.out_features, widest.in_features
+    copies = max(4, min(16, (64 << 20) // max(1, n * k)))  # ~64 MB of int8 weights
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    base = nn.Linear(k, n, bias=False, dtype=torch.float32)
+    with torch.no_grad():
+        base.weight.copy_(torch.randn(n, k, generator=gen) * 0.02)
+    base = base.to(device)
+    x = torch.randn(1, k, generator=gen).to(device=device, dtype=widest.weight.dtype)
+    t8 = _time_layers([WeightOnlyLinear(base, "int8wo") for _ in range(copies)], x)
+    t4 = _time_layers([WeightOnlyLinear(base, "int4wo") for _ in range(copies)], x)
+    return t4 < t8, t4, t8
+
+
+def choose_quantization(
+    requested: str, source_class: str | None, model: nn.Module, device: torch.device
+) -> QuantizationChoice:
+    """Resolve `auto` (and check an explicit mode) for this model on this device.
+
+    `source_class`: "int8" / "int4" for a GGUF stored in that precision class, None for a
+    full-precision checkpoint."""
+    if requested not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {requested!r}")
+    if requested != "auto":
+        check_supported(requested, model, device)
+        return QuantizationChoice(requested, "requested")
+    if source_class is None:
+        return QuantizationChoice("none", "full-precision checkpoint: kept as is")
+    mode = "int8wo" if source_class == "int8" else "int4wo"
+    try:
+        check_supported(mode, model, device)
+    except ValueError as e:
+        if mode == "int4wo":
+            check_supported("int8wo", model, device)
+            return QuantizationChoice("int8wo", f"{source_class} GGUF; int4wo unavailable ({e})")
+        raise
+    if mode == "int4wo" and device.type == "cpu":
+        faster, t4, t8 = int4_beats_int8(model, device)
+        if not faster:
+            return QuantizationChoice(
+                "int8wo",
+                f"4-bit GGUF, but int4wo measured slower than int8wo on this CPU "
+                f"({t4 * 1e3:.1f} ms vs {t8 * 1e3:.1f} ms for the same layers at batch 1)",
+            )
+    return QuantizationChoice(mode, f"keeps the GGUF's {source_class} precision class")
