@@ -6,6 +6,7 @@ import contextlib
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -23,10 +24,13 @@ def serve_process(*flags: str, start_timeout: float = 300.0) -> Iterator[str]:
     """`genserve serve --no-diffusion --dtype float32 <flags>` on a free loopback port; yields
     its URL once /health answers 200, and stops it (SIGTERM, then kill) afterwards."""
     port = free_port()
+    # The log goes to a file, not a pipe: nobody reads a pipe while the test runs, and a server
+    # that logs past the pipe's buffer (access lines) would block on its next write.
+    log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-diffusion",
          "--port", str(port), "--dtype", "float32", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + start_timeout
@@ -38,7 +42,8 @@ def serve_process(*flags: str, start_timeout: float = 300.0) -> Iterator[str]:
                 pass
             time.sleep(0.5)
         if proc.poll() is not None:
-            raise RuntimeError(f"genserve serve exited: {proc.stdout.read()}")  # type: ignore
+            log.seek(0)
+            raise RuntimeError(f"genserve serve exited: {log.read()}")
         yield url
     finally:
         proc.terminate()
@@ -47,3 +52,4 @@ def serve_process(*flags: str, start_timeout: float = 300.0) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+        log.close()
