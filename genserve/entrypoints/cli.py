@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from genserve import __version__
+from genserve.entrypoints import data_parallel
 
 
 def _add_llm_args(p: argparse.ArgumentParser) -> None:
@@ -78,6 +79,10 @@ def _add_diffusion_args(p: argparse.ArgumentParser) -> None:
                    help="Load a LoRA adapter at start under NAME (repeatable); requests pick "
                         "adapters with \"lora\": {NAME: scale}. Without MODEL it is loaded "
                         "into every diffusion model, each of which it must fit.")
+    g.add_argument("--diffusion-workers", type=int, default=1, metavar="N",
+                   help="Diffusion worker processes, one per device (GPU i for worker i; on "
+                        "a CPU-only machine they share the cores). Requests of one shape "
+                        "still batch on one worker.")
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -113,6 +118,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    choices=("debug", "info", "warning", "error", "critical"))
     _add_llm_args(p)
     _add_diffusion_args(p)
+    data_parallel.add_arguments(p)
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -170,8 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(tokens)
     try:
+        if args.command == "serve" and args.dp > 1:
+            serve_flags = tokens[tokens.index("serve") + 1:]
+            return data_parallel.run_data_parallel(args, serve_flags)
         if args.command == "serve":
             from genserve.entrypoints.serve import run_serve
 

@@ -181,10 +181,19 @@ async def serve(args: argparse.Namespace, log_level: str) -> None:
         host = f"[{config.host}]" if ":" in config.host else config.host
         logger.info("genserve listening on http://%s:%d (models: %s)", host, config.port,
                     ", ".join(app.state.gateway.llm_names()) or "none")
+        registration = None
+        if getattr(args, "register_with", None):
+            from genserve.entrypoints.data_parallel import register_with_router
+
+            own_url = args.advertise_url or f"http://{host}:{config.port}"
+            registration = asyncio.create_task(
+                register_with_router(args.register_with, own_url, config.api_key))
         await server.serve()
         if diffusion_client is not None and server.stop_requested_at is not None:
             await _drain_diffusion(diffusion_client,
                                    server.stop_requested_at + args.shutdown_timeout)
+        if registration is not None:
+            registration.cancel()
     finally:
         logger.info("shutting down")
         for client in llm_clients:

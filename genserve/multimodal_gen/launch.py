@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 from typing import Any
 
 from genserve import envs
@@ -57,12 +59,45 @@ def default_step_cache_from_args(args: Any) -> StepCacheConfig:
     )
 
 
-def start_diffusion_client(model_paths: list[str] | None, args: Any) -> DiffusionEngineClient:
-    """Spawn the diffusion worker, load the models and return the client once they are ready
-    (raises RuntimeError when a model cannot be loaded)."""
-    from genserve.multimodal_gen.engine_client import WorkerDiffusionClient
+def worker_device(device: str, index: int, workers: int) -> str:
+    """The device of worker `index` of `workers`: GPU `index` when the user asked for "auto" or
+    "cuda" ("auto:i" falls back to the CPU on a machine without CUDA); a named device as is."""
+    if workers == 1 or device not in ("auto", "cuda"):
+        return device
+    return f"{device}:{index}"
 
-    return WorkerDiffusionClient(
-        worker_config_from_args(model_paths, args),
-        default_step_cache=default_step_cache_from_args(args),
-    )
+
+def start_diffusion_client(model_paths: list[str] | None, args: Any) -> DiffusionEngineClient:
+    """Spawn the diffusion worker(s), load the models and return the client once they are ready
+    (raises RuntimeError when a model cannot be loaded). With `--diffusion-workers N` > 1: N
+    workers, one per device, behind a `DiffusionWorkerPool`; on the CPU they share the cores."""
+    from concurrent.futures import ThreadPoolExecutor
+    from dataclasses import replace
+
+    from genserve.multimodal_gen.engine_client import WorkerDiffusionClient
+    from genserve.multimodal_gen.worker_pool import DiffusionWorkerPool
+
+    workers = int(getattr(args, "diffusion_workers", None) or 1)
+    if workers < 1:
+        raise ValueError(f"--diffusion-workers must be >= 1, got {workers}")
+    config = worker_config_from_args(model_paths, args)
+    step_cache = default_step_cache_from_args(args)
+    if workers == 1:
+        return WorkerDiffusionClient(config, default_step_cache=step_cache)
+    threads = config.num_threads or max(1, (os.cpu_count() or 1) // workers)
+    configs = [replace(config, device=worker_device(config.device, i, workers),
+                       num_threads=threads) for i in range(workers)]
+    with ThreadPoolExecutor(workers) as pool:  # load the models on every device at once
+        futures = [pool.submit(WorkerDiffusionClient, c, default_step_cache=step_cache)
+                   for c in configs]
+        started, errors = [], []
+        for future in futures:
+            try:
+                started.append(future.result())
+            except Exception as exc:  # stop the ones that did start, then report
+                errors.append(exc)
+    if errors:
+        for client in started:
+            asyncio.run(client.shutdown())
+        raise errors[0]
+    return DiffusionWorkerPool(started, max_batch_size=config.max_batch_size)

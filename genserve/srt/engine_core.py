@@ -34,6 +34,7 @@ class Runtime:
         cfg = self.config
         return {
             "model_path": str(self.args.model_path or self.folder),
+            "tokenizer_path": str(self.folder),  # the local folder with the tokenizer files
             "model_name": self.model_name,
             "architecture": cfg.architecture,
             "dtype": str(self.runner.dtype).removeprefix("torch."),

@@ -30,11 +30,13 @@ def build_router() -> APIRouter:
         return await serving.health_generate(state)
 
     @router.get("/get_model_info")
+    @router.get("/model_info")  # SGLang's newer name; sglang-router asks for it first
     async def get_model_info(model: str | None = None,
                              state: GatewayState = Depends(get_state)) -> dict[str, Any]:
         return serving.model_info(state, model)
 
     @router.get("/get_server_info")
+    @router.get("/server_info")
     async def get_server_info(model: str | None = None,
                               state: GatewayState = Depends(get_state)) -> dict[str, Any]:
         return await serving.server_info(state, model)

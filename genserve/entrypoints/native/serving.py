@@ -224,7 +224,21 @@ def model_info(state: GatewayState, model: str | None) -> dict[str, Any]:
     info = {"model_name": client.model_name, "context_length": client.context_length,
             "is_generation": True}
     info.update(client.model_info())
+    _add_router_fields(info, client.model_name)
     return info
+
+
+def _add_router_fields(info: dict[str, Any], name: str) -> None:
+    """The fields of SGLang's replies that sglang-router reads when it registers a worker: the
+    model's id (served name) and the replica's parallel sizes (one process: 1 and 1)."""
+    info.setdefault("served_model_name", name)
+    info.setdefault("model_path", name)
+    info.setdefault("tokenizer_path", info["model_path"])
+    if "architecture" in info:
+        info.setdefault("architectures", [info["architecture"]])
+    info.setdefault("max_context_length", info.get("context_length"))
+    info.setdefault("tp_size", 1)
+    info.setdefault("dp_size", 1)
 
 
 async def server_info(state: GatewayState, model: str | None) -> dict[str, Any]:
@@ -235,6 +249,10 @@ async def server_info(state: GatewayState, model: str | None) -> dict[str, Any]:
         "max_queued_requests": state.config.max_queued_requests,
     }
     info.update(await client.server_info())
+    for key in ("model_path", "tokenizer_path", "architecture"):
+        if key in client.model_info():
+            info.setdefault(key, client.model_info()[key])
+    _add_router_fields(info, client.model_name)
     state.metrics.update_server_info(client.model_name, info)
     if state.diffusion_client is not None:  # its worker's state and self-check result
         info["diffusion"] = state.diffusion_client.runtime_report()

@@ -101,8 +101,11 @@ def _resolve(options: LoadOptions):
     import torch
 
     device = options.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "auto" or device.startswith("auto:"):
+        # "auto:i" is worker i of several (--diffusion-workers): GPU i, else the CPU.
+        index = int(device[5:]) if device.startswith("auto:") else 0
+        device = (f"cuda:{index % torch.cuda.device_count()}" if torch.cuda.is_available()
+                  else "cpu")
     dtype = options.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
