@@ -65,6 +65,12 @@ class DiffusionWorkerPool(DiffusionEngineClient):
         return [{"worker": i, "healthy": w.is_healthy(), "in_flight": self._in_flight[i],
                  "served": self._served[i]} for i, w in enumerate(self.workers)]
 
+    def runtime_report(self) -> dict[str, Any]:
+        """"ready" while one worker is; each worker's own report (state, pid, restarts)."""
+        reports = [w.runtime_report() for w in self.workers]
+        states = [r.get("state", "stopped") for r in reports]
+        return {"state": "ready" if "ready" in states else states[0], "workers": reports}
+
     def _place(self, req: DiffusionRequest) -> int | None:
         live = [i for i, w in enumerate(self.workers) if w.is_healthy()]
         if not live:

@@ -69,6 +69,8 @@ def test_same_shape_requests_stay_together_and_another_shape_spreads(pool):
     assert sorted(placed) == [1, 3]  # the three 32x32 on one worker, the 48x48 on the other
     assert results[1].outputs[0].shape == (1, 48, 48, 3)
     assert all(s["in_flight"] == 0 for s in pool.stats())
+    report = pool.runtime_report()
+    assert report["state"] == "ready" and len(report["workers"]) == 2
 
 
 def test_cancel_reaches_the_worker_that_holds_the_request(pool):
