@@ -1,15 +1,23 @@
 """Realtime video benchmark (the protocol: docs/realtime_protocol.md).
 
-1. First-preview latency: after a warm-up session, the time from sending `start` to the first
+1. Transport through the realtime session: a replay engine (`ReplayDiffusion`, no model) yields
+   one pre-rendered 256x256 preview per denoising step, paced at `--rate` steps/s (the target,
+   60) and at `--overload-rate` (faster than the transport, so what arrives is its capacity).
+   The real gateway app (`create_app`) serves it on a real uvicorn server: each preview goes
+   through `RealtimeSession`, `FrameSender` (WebP encode in its executor, latest-wins dropping)
+   and the WebSocket to a client in another process that decodes every frame. Reported:
+   previews delivered per second (target >= 60), `previews_dropped` from the session's
+   `chunk_done` stats, and the delay from the engine's yield to the decoded frame.
+2. Raw transport ceiling: the same frames encoded and sent by a bare WebSocket endpoint (no
+   session, no sender), as the upper bound the session is compared with.
+3. First-preview latency: after a warm-up session, the time from sending `start` to the first
    preview frame, against the budget of one denoising step + 100 ms (the step time is the median
    gap between previews of the same session).
-2. Transport throughput: 256x256 WebP frames encoded (the server's encoder, WebP method 0), sent
-   over a real uvicorn WebSocket, received by a `websockets` client and decoded with Pillow,
-   frames/s (target >= 60).
-3. Final-frame pacing: arrival gaps of a session's final frames against 1/fps.
+4. Final-frame pacing: arrival gaps of a session's final frames against 1/fps.
 
-Runs the real diffusion worker with the embedded tiny video model (`tiny-wan`) on this machine.
-Usage: python benchmarks/bench_realtime.py [--sessions 3] [--transport-frames 300] [--fps 24]
+Parts 3 and 4 run the real diffusion worker with the embedded tiny video model (`tiny-wan`).
+Usage: python benchmarks/bench_realtime.py [--seconds 5] [--rate 60] [--overload-rate 200]
+       [--sessions 3] [--fps 24] [--skip-model]
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from functools import partial
 from types import SimpleNamespace
@@ -42,6 +51,20 @@ from genserve.entrypoints.realtime.frames import (
     encode_frame,
     warm_up_encoders,
 )
+from genserve.multimodal_gen.client import DiffusionEngineClient
+from genserve.multimodal_gen.messages import (
+    STATUS_BAD_INPUT,
+    STATUS_UNKNOWN_MODEL,
+    TEXT_TO_VIDEO,
+    DiffusionEvent,
+    DiffusionRequest,
+    ErrorEvent,
+    ModelSpec,
+    ResultEvent,
+    StepCacheConfig,
+    StepEvent,
+)
+from genserve.multimodal_gen.validation import resolve_request
 
 
 @contextlib.contextmanager
@@ -144,6 +167,165 @@ def _test_frames(n: int, noise: float, size: int = 256) -> list[np.ndarray]:
     return frames
 
 
+# ---- 1. transport through the realtime session ----
+
+REPLAY_SIZE = 256
+REPLAY = ModelSpec(
+    name="replay", task=TEXT_TO_VIDEO, family="replay", size_factor=16,
+    max_pixels=REPLAY_SIZE * REPLAY_SIZE, default_width=REPLAY_SIZE,
+    default_height=REPLAY_SIZE, default_steps=4, default_guidance=1.0, max_steps=1000,
+    default_num_frames=1, frame_rule="any", max_num_frames=4, default_fps=8,
+    supports_negative_prompt=False, source="benchmark", step_cache=False,
+)
+
+
+class ReplayDiffusion(DiffusionEngineClient):
+    """A diffusion client for this benchmark only: one 256x256 "video" model whose denoising
+    steps carry pre-rendered frames as previews, one step every 1/`rate` s (`rate` None: as fast
+    as the event loop allows). What is measured is then the gateway's realtime session, its
+    sender and the WebSocket, not a model. Records when each step's preview was yielded
+    (`time.monotonic`, which is one clock for every process of the machine)."""
+
+    def __init__(self, frames: list[np.ndarray], rate: float | None) -> None:
+        self.frames = frames
+        self.rate = rate
+        self.yielded_at: dict[tuple[str, int], float] = {}  # (request_id, step) -> time
+        self.finished: list[str] = []
+
+    def specs(self) -> list[ModelSpec]:
+        return [REPLAY]
+
+    async def stream(self, req: DiffusionRequest) -> AsyncIterator[DiffusionEvent]:
+        if req.model != REPLAY.name:
+            yield ErrorEvent(req.request_id, f"unknown model {req.model!r}", STATUS_UNKNOWN_MODEL)
+            return
+        try:
+            r = resolve_request(req, REPLAY, StepCacheConfig())
+        except ValueError as exc:
+            yield ErrorEvent(req.request_id, str(exc), STATUS_BAD_INPUT)
+            return
+        steps = r.num_inference_steps
+        t0 = time.monotonic()
+        for step in range(1, steps + 1):
+            if self.rate is None:
+                await asyncio.sleep(0)  # let the session's writer run between steps
+            else:
+                await asyncio.sleep(max(0.0, t0 + step / self.rate - time.monotonic()))
+            preview = None
+            if req.preview:
+                frame = self.frames[step % len(self.frames)]
+                preview = frame[None, : r.height, : r.width]
+            self.yielded_at[(req.request_id, step)] = time.monotonic()
+            yield StepEvent(req.request_id, step, steps, preview)
+        outputs = np.stack([self.frames[i % len(self.frames)][: r.height, : r.width]
+                            for i in range(r.num_frames)])
+        self.finished.append(req.request_id)
+        yield ResultEvent(req.request_id, [outputs], r.fps, 0, steps, {}, list(r.seeds))
+
+    async def cancel(self, request_id: str) -> bool:
+        return False  # streams end on their own; closing one stops it at its next step
+
+    def is_healthy(self) -> bool:
+        return True
+
+    def queue_depth(self) -> int:
+        return 0
+
+    async def shutdown(self) -> None:
+        return None
+
+
+async def receive_replay_session(url: str, steps: int, quality: int) -> dict:
+    """Client side of part 1: one realtime session of the replay model; every frame is decoded
+    to pixels, as the browser's worker does. Returns the JSON messages (types, in order), the
+    step of each preview and when it was decoded (`time.monotonic`), the final frames' count
+    and the `chunk_done` stats."""
+    types: list[str] = []
+    preview_steps: list[int] = []
+    preview_times: list[float] = []
+    finals = 0
+    stats: dict = {}
+    preview_bytes = 0
+    async with websockets.connect(url + "/v1/realtime/video", max_size=None) as ws:
+        await ws.send(json.dumps({
+            "type": "start", "model": REPLAY.name, "prompt": "replay", "width": REPLAY_SIZE,
+            "height": REPLAY_SIZE, "num_frames": 1, "num_inference_steps": steps,
+            "preview_format": "webp", "preview_quality": quality,
+        }))
+        while True:
+            data = await asyncio.wait_for(ws.recv(), 120)
+            if isinstance(data, bytes):
+                header, rgb = decode_frame(data)
+                if rgb.shape != (REPLAY_SIZE, REPLAY_SIZE, 3):
+                    raise RuntimeError(f"decoded a {rgb.shape} frame")
+                if header.kind == FrameKind.PREVIEW:
+                    preview_times.append(time.monotonic())
+                    preview_steps.append(header.step)
+                    preview_bytes += len(data)
+                else:
+                    finals += 1
+                continue
+            msg = json.loads(data)
+            types.append(msg["type"])
+            if msg["type"] == "error":
+                raise RuntimeError(f"{msg['code']}: {msg['message']}")
+            if msg["type"] == "chunk_done":
+                stats = msg["stats"]
+            if msg["type"] == "done":
+                break
+    return {"types": types, "preview_steps": preview_steps, "preview_times": preview_times,
+            "preview_bytes": preview_bytes, "finals": finals, "stats": stats}
+
+
+def _receive_replay_session(url: str, steps: int, quality: int) -> dict:
+    return asyncio.run(receive_replay_session(url, steps, quality))
+
+
+def bench_session_transport(steps: int, rate: float | None, quality: int, noise: float,
+                            client_process: bool = True) -> dict:
+    """Part 1: `steps` previews through the real session and sender to a decoding client.
+
+    `client_process=False` runs the client in a thread of this process (the fast test does;
+    a client sharing the server's GIL is slower, so the benchmark keeps it apart)."""
+    client = ReplayDiffusion(_test_frames(64, noise), rate)
+    app = create_app(GatewayConfig(max_realtime_sessions=1), [], client)
+    with serve(app) as url:
+        if client_process:
+            with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as proc:
+                r = proc.submit(_receive_replay_session, url, steps, quality).result(600)
+        else:
+            with ThreadPoolExecutor(1) as pool:
+                r = pool.submit(_receive_replay_session, url, steps, quality).result(600)
+    (request_id,) = client.finished
+    delays = [(t - client.yielded_at[(request_id, s)]) * 1e3
+              for s, t in zip(r["preview_steps"], r["preview_times"], strict=True)]
+    times = r["preview_times"]
+    received = len(times)
+    span = times[-1] - times[0] if received > 1 else float("nan")
+    fps = (received - 1) / span if received > 1 else 0.0
+    stats = r["stats"]
+    return {
+        "engine_steps": steps,
+        "engine_rate": rate or "unpaced",
+        "previews_received": received,
+        "previews_sent": stats["previews_sent"],  # as of chunk_done (the last may follow it)
+        "previews_dropped": stats["previews_dropped"],
+        "delivered_fps": round(fps, 1),
+        "seconds": round(span, 3),
+        "delay_ms_p50": round(float(np.percentile(delays, 50)), 2),
+        "delay_ms_p95": round(float(np.percentile(delays, 95)), 2),
+        "delay_ms_max": round(float(max(delays)), 2),
+        "bytes_per_frame": r["preview_bytes"] // max(1, received),
+        # For the protocol checks of the fast test.
+        "preview_steps": r["preview_steps"],
+        "message_types": r["types"],
+        "finals": r["finals"],
+    }
+
+
+# ---- 2. raw transport ceiling ----
+
+
 def _receive_frames(url: str) -> tuple[int, float, int]:
     """Client side of the transport benchmark: receive and fully decode every frame."""
 
@@ -164,7 +346,7 @@ def _receive_frames(url: str) -> tuple[int, float, int]:
     return asyncio.run(receive())
 
 
-def bench_transport(num_frames: int, quality: int, noise: float) -> dict:
+def bench_raw_transport(num_frames: int, quality: int, noise: float) -> dict:
     frames = _test_frames(64, noise)
     app = FastAPI()
     pool = ThreadPoolExecutor(2)
@@ -197,20 +379,39 @@ def bench_transport(num_frames: int, quality: int, noise: float) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=5.0,
+                        help="length of each transport session (at most 1000 steps)")
+    parser.add_argument("--rate", type=float, default=60.0,
+                        help="steps/s of the replay engine at the target rate")
+    parser.add_argument("--overload-rate", type=float, default=200.0,
+                        help="steps/s of the replay engine in the overload run")
     parser.add_argument("--sessions", type=int, default=3, help="measured latency sessions")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps per session")
     parser.add_argument("--fps", type=int, default=24, help="fps of the pacing session")
-    parser.add_argument("--transport-frames", type=int, default=300)
     parser.add_argument("--quality", type=int, default=80)
     parser.add_argument("--skip-model", action="store_true",
-                        help="only the transport benchmark (no diffusion worker)")
+                        help="only the transport parts (no diffusion worker)")
     args = parser.parse_args()
 
+    warm_up_encoders()
     results: dict = {}
+    hidden = ("preview_steps", "message_types", "finals")
     for content, noise in (("smooth", 0.0), ("noisy", 25.0)):
-        key = f"transport_webp_256_{content}"
-        results[key] = bench_transport(args.transport_frames, args.quality, noise)
-        print(f"transport ({content}):", json.dumps(results[key]), flush=True)
+        for rate in (args.rate, args.overload_rate):
+            key = f"session_webp_256_{content}_{rate:g}_per_s"
+            steps = min(1000, round(args.seconds * rate))
+            row = bench_session_transport(steps, rate, args.quality, noise)
+            results[key] = {k: v for k, v in row.items() if k not in hidden}
+            print(f"session transport ({content}):", json.dumps(results[key]), flush=True)
+        key = f"raw_webp_256_{content}"
+        frames = round(args.seconds * args.overload_rate)
+        results[key] = bench_raw_transport(frames, args.quality, noise)
+        print(f"raw transport ({content}):", json.dumps(results[key]), flush=True)
+    # The overload runs: the engine outpaces the transport, so what arrives is its capacity.
+    capacity = [v["delivered_fps"] for k, v in results.items()
+                if k.endswith(f"_{args.overload_rate:g}_per_s")]
+    results["session_transport_ok"] = min(capacity) >= 60
+    print("session transport delivers >= 60 previews/s:", results["session_transport_ok"])
     if not args.skip_model:
         from genserve.multimodal_gen.launch import start_diffusion_client
 
