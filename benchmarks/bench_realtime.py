@@ -16,7 +16,7 @@
 4. Final-frame pacing: arrival gaps of a session's final frames against 1/fps.
 
 Parts 3 and 4 run the real diffusion worker with the embedded tiny video model (`tiny-wan`).
-Usage: python benchmarks/bench_realtime.py [--seconds 5] [--rate 60] [--overload-rate 200]
+Usage: python benchmarks/bench_realtime.py [--seconds 5] [--rate 60] [--overload-rate 500]
        [--sessions 3] [--fps 24] [--skip-model]
 """
 
@@ -308,7 +308,8 @@ def bench_session_transport(steps: int, rate: float | None, quality: int, noise:
         "engine_steps": steps,
         "engine_rate": rate or "unpaced",
         "previews_received": received,
-        "previews_sent": stats["previews_sent"],  # as of chunk_done (the last may follow it)
+        # As of chunk_done: up to two previews (one being written, one pending) may follow.
+        "previews_sent": stats["previews_sent"],
         "previews_dropped": stats["previews_dropped"],
         "delivered_fps": round(fps, 1),
         "seconds": round(span, 3),
@@ -383,7 +384,7 @@ def main() -> int:
                         help="length of each transport session (at most 1000 steps)")
     parser.add_argument("--rate", type=float, default=60.0,
                         help="steps/s of the replay engine at the target rate")
-    parser.add_argument("--overload-rate", type=float, default=200.0,
+    parser.add_argument("--overload-rate", type=float, default=500.0,
                         help="steps/s of the replay engine in the overload run")
     parser.add_argument("--sessions", type=int, default=3, help="measured latency sessions")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps per session")

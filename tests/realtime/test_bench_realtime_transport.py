@@ -35,8 +35,9 @@ def test_previews_go_through_the_session_and_are_accounted_for(bench, rate):
     assert delivered == sorted(set(delivered)) and delivered[-1] == steps
     assert set(delivered) <= set(range(1, steps + 1))
     assert r["previews_received"] == len(delivered) == steps - r["previews_dropped"]
-    # chunk_done is written while the last preview may still be queued behind it.
-    assert r["previews_sent"] in (len(delivered), len(delivered) - 1)
+    # chunk_done's count is taken while up to two previews may still be on their way (one
+    # being encoded or written, one pending); none is dropped after the last step.
+    assert len(delivered) - 2 <= r["previews_sent"] <= len(delivered)
     # A preview is decoded after the engine yielded it (one monotonic clock).
     assert r["delay_ms_p50"] >= 0 and r["delay_ms_max"] >= r["delay_ms_p95"] >= 0
     assert r["bytes_per_frame"] > 0
