@@ -62,3 +62,24 @@ def make_server() -> Iterator[Callable[..., RunningServer]]:
 @pytest.fixture
 def server(make_server: Callable[..., RunningServer]) -> RunningServer:
     return make_server()
+
+
+@pytest.fixture(scope="session")
+def shared_real_server(tmp_path_factory) -> Iterator[Any]:
+    """The embedded SmolLM2 and a diffusion worker (tiny-flux, tiny-wan) behind one gateway on a
+    real uvicorn server (`tests/entrypoints/real_server.py`), started once for the modules that
+    need a real runtime: each start costs tens of seconds on a 2-core CPU."""
+    from tests.needs import smollm2_folder
+
+    smollm2_folder()
+    from tests.entrypoints.real_server import RealServer
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("GENSERVE_OUTPUT_DIR", str(tmp_path_factory.mktemp("outputs")))
+    live = RealServer(diffusion_models=("tiny-flux", "tiny-wan"))
+    try:
+        live.start()
+        yield live
+    finally:
+        live.stop()
+        mp.undo()

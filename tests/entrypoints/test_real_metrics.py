@@ -1,33 +1,24 @@
 """/metrics after real traffic: the embedded SmolLM2 engine and a diffusion worker (tiny-flux,
-tiny-wan) behind one gateway on a real uvicorn server. The scrape parses as Prometheus text
-and the LLM and diffusion counters moved by what the requests did."""
+tiny-wan) behind one gateway on a real uvicorn server (the session's shared one). The scrape
+parses as Prometheus text and the LLM and diffusion counters moved by what the requests did."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.entrypoints.test_real_llm_server import _Server
+from tests.entrypoints.real_server import RealServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[_Server]:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("GENSERVE_OUTPUT_DIR", str(tmp_path_factory.mktemp("outputs")))
-    live = _Server(diffusion_models=("tiny-flux", "tiny-wan"))
-    try:
-        live.start()
-        yield live
-    finally:
-        live.stop()
-        mp.undo()
+def server(shared_real_server: RealServer) -> RealServer:
+    return shared_real_server
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

@@ -6,7 +6,6 @@ validate against the function's parameters."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -14,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.entrypoints.test_real_llm_server import _Server
+from tests.entrypoints.real_server import RealServer
 
 pytestmark = pytest.mark.slow
 
@@ -49,15 +48,12 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[_Server]:
-    srv = _Server()
-    srv.start()
-    yield srv
-    srv.stop()
+def server(shared_real_server: RealServer) -> RealServer:
+    return shared_real_server
 
 
 @pytest.fixture(scope="module")
-def client(server: _Server) -> openai.OpenAI:
+def client(server: RealServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
                          timeout=120)
 
