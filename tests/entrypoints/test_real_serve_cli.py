@@ -17,7 +17,7 @@ from tests.needs import smollm2_folder
 
 pytestmark = pytest.mark.slow
 
-smollm2_folder(module_level=True)
+GGUF = smollm2_folder(module_level=True) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _free_port() -> int:
@@ -29,7 +29,10 @@ def _free_port() -> int:
 def test_serve_answers_and_sigterm_shuts_down_cleanly():
     port = _free_port()
     proc = subprocess.Popen(
+        # The embedded GGUF named, not the default LLMs (SmolLM2 and shapes-vl; that default
+        # is test_shapes_vl_server's): one scheduler to start, crash and stop.
         [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-diffusion",
+         "--model-path", str(GGUF), "--served-model-name", "SmolLM2-135M-Instruct",
          "--port", str(port), "--dtype", "float32", "--max-total-tokens", "4096",
          "--api-key", "k"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

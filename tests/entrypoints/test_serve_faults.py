@@ -111,9 +111,11 @@ def test_gateway_without_torch_survives_killed_workers():
 
 @pytest.mark.parametrize("timeout_s, finishes", [(120, True), (1, False)])
 def test_sigterm_drains_then_exits_0(timeout_s, finishes):
-    with serve_subprocess("--no-diffusion", "--shutdown-timeout", str(timeout_s)) as (proc, url):
-        scheduler = runtimes(url)
-        scheduler_pid = next(iter(scheduler.values()))["pid"]
+    # One LLM (not the default two): the drain is the gateway's, the same for any model.
+    with serve_subprocess("--no-diffusion", "--model-path", str(GGUF),
+                          "--shutdown-timeout", str(timeout_s)) as (proc, url):
+        (scheduler,) = runtimes(url).values()
+        scheduler_pid = scheduler["pid"]
         tokens = 48 if finishes else 4000
         with ThreadPoolExecutor(1) as pool:
             running = pool.submit(post, url, "/generate", {

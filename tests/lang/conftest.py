@@ -7,12 +7,15 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.needs import smollm2_folder
 from tests.serve_process import serve_process
 
 
 @pytest.fixture(scope="session")
 def server_url() -> Iterator[str]:
-    with serve_process("--max-total-tokens", "16384") as url:
+    # Only the embedded SmolLM2 (its GGUF named), not the default second LLM (shapes-vl).
+    gguf = smollm2_folder() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with serve_process("--model-path", str(gguf), "--max-total-tokens", "16384") as url:
         yield url
 
 
