@@ -212,29 +212,50 @@ def gguf_path_of(model_path: str | os.PathLike | None) -> Path | None:
 
 def gguf_precision_class(gguf: Path) -> str | None:
     """Returns "int4" / "int8" when most of a GGUF's layer matrices are stored in 2-6 / 8 bits, None
-    when they are full precision (F16 / BF16 / F32). Reads metadata only."""
+    when they are full precision (F16 / BF16 / F32). Reads metadata only, once per file: the
+    answer is kept in the cache next to the converted folders (parsing the metadata means
+    parsing the whole vocabulary, seconds for every engine start otherwise)."""
+    cached = _gguf_cache_dir() / f"{gguf.stem}-{_gguf_key(gguf)}.precision.json"
+    try:
+        return json.loads(cached.read_text())["precision"]
+    except (OSError, ValueError, KeyError):
+        pass
     from gguf import GGUFReader
 
     counts: dict[str, int] = {}
     for t in GGUFReader(str(gguf)).tensors:
         if t.name.startswith("blk.") and len(t.shape) == 2:
             counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
-    if not counts:
-        return None
-    dominant = max(counts, key=lambda k: counts[k])
-    if dominant in _GGUF_FULL_TYPES:
-        return None
-    return "int8" if dominant in _GGUF_INT8_TYPES else "int4"
+    precision = None
+    if counts:
+        dominant = max(counts, key=lambda k: counts[k])
+        if dominant not in _GGUF_FULL_TYPES:
+            precision = "int8" if dominant in _GGUF_INT8_TYPES else "int4"
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f".{cached.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"precision": precision}))
+        tmp.replace(cached)  # atomic: a concurrent start reads the old file or the new one
+    except OSError as e:  # a read-only cache only costs the parse next time
+        logger.debug("could not cache the precision of %s: %s", gguf, e)
+    return precision
+
+
+def _gguf_cache_dir() -> Path:
+    return envs.GENSERVE_CACHE_DIR.get() / "gguf"
+
+
+def _gguf_key(gguf: Path) -> str:
+    """Identifies one version of a GGUF file (path, size, modification time)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    return key.hexdigest()[:16]
 
 
 def _gguf_to_folder(gguf: Path, dtype: torch.dtype) -> Path:
     """Dequantize a GGUF once into `dtype` and cache it as an HF folder."""
-    stat = gguf.stat()
     dtype_name = str(dtype).removeprefix("torch.")
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    folder = (
-        envs.GENSERVE_CACHE_DIR.get() / "gguf" / f"{gguf.stem}-{dtype_name}-{key.hexdigest()[:16]}"
-    )
+    folder = _gguf_cache_dir() / f"{gguf.stem}-{dtype_name}-{_gguf_key(gguf)}"
     if (folder / "config.json").is_file():
         return folder
     arch = check_gguf(gguf)

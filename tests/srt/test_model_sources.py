@@ -12,7 +12,12 @@ import pytest
 from safetensors import safe_open
 
 from genserve.srt.model_config import ModelConfig
-from genserve.srt.model_loader import check_gguf, embedded_gguf_path, resolve_model_folder
+from genserve.srt.model_loader import (
+    check_gguf,
+    embedded_gguf_path,
+    gguf_precision_class,
+    resolve_model_folder,
+)
 
 
 def _fake_hub_cache(cache: Path, repo_id: str, src: Path) -> Path:
@@ -97,6 +102,43 @@ def test_embedded_gguf_is_dequantized_into_the_serving_dtype(tmp_path, monkeypat
     size = (folder / "model.safetensors").stat().st_size
     assert size < 300 * 2**20  # 135M parameters in 2 bytes each, not 4
     assert check_gguf(embedded_gguf_path()) == "LlamaForCausalLM"
+
+
+def _write_matrices_gguf(path: Path, qtype) -> Path:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    data = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight"):
+        if qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_precision_is_parsed_once_per_file_version(tmp_path, monkeypatch):
+    import gguf
+
+    from genserve import envs
+
+    monkeypatch.setenv(envs.GENSERVE_CACHE_DIR.name, str(tmp_path / "cache"))
+    path = _write_matrices_gguf(tmp_path / "m.gguf", gguf.GGMLQuantizationType.Q8_0)
+    assert gguf_precision_class(path) == "int8"
+
+    def no_parsing(*args, **kwargs):
+        raise AssertionError("the GGUF was parsed again")
+
+    with monkeypatch.context() as m:  # a second engine start reads the cached answer
+        m.setattr(gguf, "GGUFReader", no_parsing)
+        assert gguf_precision_class(path) == "int8"
+    # A new version of the file (other size and mtime) is parsed afresh.
+    _write_matrices_gguf(path, gguf.GGMLQuantizationType.F32)
+    assert gguf_precision_class(path) is None
 
 
 def test_generation_config_sets_eos_ids_and_sampling_defaults(tmp_path, tiny_model_factory):
