@@ -66,9 +66,9 @@ QUESTIONS: dict[str, tuple[str, ...]] = {
 # Share of each kind in training: the sentence carries all four attributes; the shape (the
 # last attribute the model picks up) gets its own question more often.
 KIND_WEIGHTS = {
-    "describe": 0.3,
-    "colour": 0.05,
-    "shape": 0.45,
+    "describe": 0.4,
+    "colour": 0.1,
+    "shape": 0.3,
     "position": 0.1,
     "background": 0.1,
 }
@@ -130,8 +130,8 @@ def perturbed_image(scene: world.Scene, rng: np.random.Generator, strength: floa
 
 def sample(
     scenes: list[world.Scene], rng: random.Random, nrng: np.random.Generator, strength: float = 1.0
-) -> tuple[object, list[dict], str]:
-    """(picture, chat messages, answer) for one random scene and question."""
+) -> tuple[object, list[dict], str, world.Scene]:
+    """(picture, chat messages, answer, scene) for one random scene and question."""
     scene = scenes[rng.randrange(len(scenes))]
     kind = rng.choices(list(KIND_WEIGHTS), weights=list(KIND_WEIGHTS.values()))[0]
     question = rng.choice(QUESTIONS[kind])
@@ -140,7 +140,7 @@ def sample(
     if question and rng.random() < 0.3:
         question = " " + question  # a text part after the image often starts with a space
     image = perturbed_image(scene, nrng, strength)
-    return image, messages(question, image_first=rng.random() < 0.6), answer(scene, kind)
+    return image, messages(question, image_first=rng.random() < 0.6), answer(scene, kind), scene
 
 
 def parse_answer(kind: str, text: str) -> str | None:

@@ -1,19 +1,19 @@
 """`shapes-vl`: the vision-language demo model, a LLaVA (Hugging Face
 `LlavaForConditionalGeneration`) that reads pictures of the shapes world.
 
-A CLIP vision tower over the picture resized to 32x32 (4-pixel patches: 64 image tokens), the
+A CLIP vision tower over the picture resized to 48x48 (8-pixel patches: 36 image tokens), the
 LLaVA projector, and a small Llama decoder over a word-level tokenizer whose vocabulary is the
 world's words plus the questions it is taught (`vl_data.py`). Each word has a plain and a
 "Ġ"-prefixed (leading space) form, byte-level like GPT-2's, so decoding gives back the exact
 text. The chat template is ChatML's; an image part renders as the single `<image>` token the
-runtime expands to the image's 64 tokens.
+runtime expands to the image's 36 tokens.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from genserve.demo_models.world import SIZE, VOCAB
+from genserve.demo_models.world import VOCAB
 
 MODEL_NAME = "shapes-vl"
 WEIGHTS_PATH = Path(__file__).parent / "weights" / MODEL_NAME
@@ -38,7 +38,11 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-IMAGE_SIZE = SIZE  # pictures are resized to the world's native 32x32
+# 48 px in 8-pixel patches: each cell of the world's 3x3 position grid is exactly 2x2 patches,
+# so a shape always sits on the same patch corner whatever its cell. At 32 px (16 tokens) the
+# cells (10.7 px) cut the patches differently in each cell and the tower took several times
+# longer to tell circles from squares; at 64 px the 64 tokens cost 4x per step.
+IMAGE_SIZE = 48
 PATCH_SIZE = 8
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH_SIZE) ** 2  # CLS dropped ("default" strategy)
 VISION_CONFIG = dict(
@@ -97,7 +101,7 @@ def build_tokenizer():
 
 
 def build_image_processor():
-    """CLIP's PIL image processor, resizing any picture to 32x32 (no crop: a non-square
+    """CLIP's PIL image processor, resizing any picture to 48x48 (no crop: a non-square
     picture is squeezed, so a shape's position keeps its meaning)."""
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 

@@ -17,8 +17,10 @@ from tests.serve_process import serve_process
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
-# A held-out prompt: shapes-image never trained on it, nor shapes-vl on its picture.
-SCENE = world.held_out(False)[0]
+# A held-out prompt: shapes-image never trained on it, nor shapes-vl on its picture. Not the
+# first one (a green square on gray): that is one of the two closed-loop pictures of 60 that
+# shapes-vl misreads, as a circle (docs/benchmarks.md).
+SCENE = world.held_out(False)[1]
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +80,7 @@ def test_chat_panel_describes_a_generated_picture(server):
             )
             page.wait_for_selector("#chat-attachment:not([hidden])")
             answer = ask(page, "Describe the image.", 0)
-            read = world.parse_prompt(answer)
-            assert read is not None, answer
-            # Circles and squares are where shapes-vl still errs (docs/benchmarks.md).
-            assert (read.colour, read.background, read.position) == (
-                SCENE.colour,
-                SCENE.background,
-                SCENE.position,
-            ), (answer, SCENE)
+            assert world.parse_prompt(answer) == SCENE, (answer, SCENE)
             assert page.evaluate("window.genserveChat.stats.chunks") > 1  # streamed in pieces
             assert page.text_content("#chat-log li.chat-assistant .chat-text") == answer
             assert page.is_hidden("#chat-error")
