@@ -163,6 +163,58 @@ def test_image_to_video_with_input_reference(http, live):
     assert _wait(http, video.id)["status"] == "completed"
 
 
+PICTURE_B64 = base64.b64encode(PICTURE).decode()
+
+
+@pytest.mark.parametrize("ref", [
+    f"data:image/png;base64,{PICTURE_B64}", PICTURE_B64,
+    {"image_url": f"data:image/png;base64,{PICTURE_B64}"},
+], ids=["data-url", "base64", "object"])
+def test_image_to_video_with_input_reference_in_a_json_body(http, ref):
+    body = {"model": "tiny-wan-i2v", "prompt": "a bird flying", "size": "32x32",
+            "num_frames": 5, "input_reference": ref, "seed": 4, **FAST}
+    r = http.post("/v1/videos", json=body)
+    assert r.status_code == 200, r.text
+    job = _wait(http, r.json()["id"])
+    assert job["status"] == "completed", job
+    assert http.get(f"/v1/videos/{job['id']}/content").content[4:8] == b"ftyp"
+
+
+def test_input_reference_object_in_a_form(http):
+    # An object field in a multipart form, written `field[key]`, as OpenAI's clients do.
+    data = {"model": "tiny-wan-i2v", "prompt": "a bird", "size": "32x32", "num_frames": "5",
+            "input_reference[image_url]": f"data:image/png;base64,{PICTURE_B64}",
+            **{k: str(v) for k, v in FAST.items()}}
+    r = http.post("/v1/videos", data=data)
+    assert r.status_code == 200, r.text
+    assert _wait(http, r.json()["id"])["status"] == "completed"
+
+
+@pytest.mark.parametrize("ref, says", [
+    ("data:image/png;base64,@@not base64@@", "valid base64"),
+    (base64.b64encode(b"\x89PNG broken").decode(), "could not be decoded"),
+    ({"image_url": "data:text/plain;base64,aGk="}, "image/* type"),
+    ({"file_id": "file-123"}, "Files API"),
+    ({}, "needs image_url"),
+    ("https://example.com/first.png", "not fetched by this server"),
+    ({"image_url": PICTURE_B64, "extra": 1}, "input_reference"),
+])
+def test_bad_json_input_reference_is_400(http, live, ref, says):
+    body = {"model": "tiny-wan-i2v", "prompt": "a bird", "size": "32x32", "num_frames": 5,
+            "input_reference": ref}
+    r = http.post("/v1/videos", json=body)
+    assert r.status_code == 400, r.text
+    assert says in error_of(r)["message"]
+    assert not live[1]._inflight
+
+
+def test_input_reference_as_both_file_and_text_is_400(http):
+    data = {"model": "tiny-wan-i2v", "prompt": "a bird", "size": "32x32", "num_frames": "5",
+            "input_reference": PICTURE_B64}
+    r = http.post("/v1/videos", data=data, files=[("input_reference", PICTURE)])
+    assert r.status_code == 400 and "not both" in error_of(r)["message"]
+
+
 @pytest.mark.parametrize("files, says", [
     ([("input_reference", b"\x89PNG broken")], "could not be decoded"),
     ([], "needs a reference image"),
