@@ -48,7 +48,8 @@ def live(tmp_path_factory, output_dir):
         flux = _BUILDERS["tiny-flux"]()
     lora = make_lora(flux, tmp_path_factory.mktemp("lora") / "ink", 1)
     client = WorkerDiffusionClient(WorkerConfig(
-        ("tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v", "tiny-flux"),
+        ("tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v", "tiny-flux",
+         "tiny-qwen-image-edit"),
         loras=(("tiny-flux", "ink", lora),), num_threads=_threads(), max_batch_size=4,
         batch_delay_ms=150))
     server = LiveServer(create_app(GatewayConfig(), llm_clients=[], diffusion_client=client))
@@ -98,6 +99,26 @@ def test_instruction_edit_and_inpainting_with_the_openai_client(live):
                                 mask=("mask.png", _png(MASK)), prompt="a red cat",
                                 response_format="b64_json", extra_body=FAST)
     assert _decode(filled.data[0].model_dump()).shape == (32, 32, 3)
+
+
+def test_qwen_image_edit_with_the_openai_client(live, http):
+    import openai
+
+    # The edit pipeline reads the picture through Qwen2-VL's processor (built without
+    # torchvision) and its VAE; a different picture gives a different edit.
+    client = openai.OpenAI(base_url=f"{live[0].url}/v1", api_key="x")
+    fields = {**FAST, "guidance_scale": 1.0, "seed": 3}
+    first = client.images.edit(model="tiny-qwen-image-edit", image=("in.png", PICTURE),
+                               prompt="make it blue", response_format="b64_json",
+                               extra_body=fields)
+    out = _decode(first.data[0].model_dump())
+    assert out.shape == (32, 32, 3)
+    other = client.images.edit(model="tiny-qwen-image-edit", image=("in.png", _png(255 - out)),
+                               prompt="make it blue", response_format="b64_json",
+                               extra_body=fields)
+    assert not np.array_equal(out, _decode(other.data[0].model_dump()))
+    r = _edit(http, "tiny-qwen-image-edit", [("image", PICTURE), ("image", PICTURE)])
+    assert r.status_code == 400 and "at most 1" in error_of(r)["message"]
 
 
 def test_reference_image_and_mask_change_the_output(http):
