@@ -159,8 +159,14 @@ def test_web_ui_image_mode_generates_edits_and_keeps_a_gallery(live, tmp_path):
             page.click("#start")  # no picture yet: the page says so, nothing is sent
             page.wait_for_selector("#error:not([hidden])")
             assert "picture" in page.text_content("#error")
-            page.set_input_files("#input-image", str(upload))
+            # A gallery image can be taken into edit mode; an upload replaces it.
+            page.locator("#gallery li button.edit").first.click()
             page.wait_for_selector("#input-preview img")
+            assert page.input_value("#mode") == "edit"
+            assert page.input_value("#model") == "tiny-flux-kontext"
+            page.set_input_files("#input-image", str(upload))
+            page.wait_for_function("window.genserveRealtime.state.inputImages[0] === "
+                                   f"'{_data_url(PICTURE)}'")
             page.fill("#prompt", "make it blue")
             page.click("#start")
             page.wait_for_function(
