@@ -430,7 +430,8 @@ def bench_family_step_cache(args) -> dict:
                 "cached_steps": pairs[0][1].cached_steps,
                 "speedup": statistics.median(x.timings["denoise"] / y.timings["denoise"]
                                              for x, y in pairs),
-                "psnr_db": float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)}
+                # None: no step was cached, the outputs are identical (and JSON has no inf).
+                "psnr_db": None if mse == 0 else float(10 * np.log10(1.0 / mse))}
         results[name] = {"steps": args.cache_steps, "size": size, "frames": frames, **rows}
     return results
 

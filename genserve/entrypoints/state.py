@@ -32,6 +32,7 @@ from genserve.entrypoints.videos.serving import (
 from genserve.multimodal_gen.client import DiffusionClient
 from genserve.multimodal_gen.output_store import OutputStore
 from genserve.srt.client import LLMEngineClient
+from genserve.srt.multimodal.image_source import ImageFetchPolicy
 
 
 @dataclass
@@ -65,7 +66,9 @@ class GatewayState:
                                     IMAGE_STORE_MAX_AGE_S), self.admission, self.metrics)
             self.videos = VideoServing(
                 client, OutputStore(output_dir / "videos", VIDEO_STORE_MAX_BYTES,
-                                    VIDEO_STORE_MAX_AGE_S), self.admission, self.metrics)
+                                    VIDEO_STORE_MAX_AGE_S), self.admission, self.metrics,
+                ImageFetchPolicy(self.config.allowed_image_domains,
+                                 max_bytes=self.config.max_image_bytes))
             self.realtime = RealtimeServing(
                 client, self.config.max_realtime_sessions, self.admission, self.metrics)
 

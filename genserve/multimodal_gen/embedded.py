@@ -14,7 +14,8 @@ import torch
 
 # tiny-flux and tiny-wan are served by default; the others exist to exercise their families.
 EMBEDDED_NAMES = ("tiny-flux", "tiny-wan", "tiny-sd3", "tiny-sd", "tiny-ltx", "tiny-sdxl",
-                  "tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v", "tiny-qwen-image")
+                  "tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v", "tiny-qwen-image",
+                  "tiny-qwen-image-edit")
 _VOCAB_WORDS = (
     "a an the of and with in on at to red green blue yellow white black orange purple cat dog "
     "bird car tree house sky sea sun moon city forest mountain river flower portrait photo "
@@ -323,6 +324,12 @@ def build_tiny_qwen_image():
     return build()
 
 
+def build_tiny_qwen_image_edit():
+    from genserve.multimodal_gen.embedded_qwen import build_tiny_qwen_image_edit as build
+
+    return build()
+
+
 _BUILDERS = {
     "tiny-flux": build_tiny_flux,
     "tiny-wan": build_tiny_wan,
@@ -334,6 +341,7 @@ _BUILDERS = {
     "tiny-flux-fill": build_tiny_flux_fill,
     "tiny-wan-i2v": build_tiny_wan_i2v,
     "tiny-qwen-image": build_tiny_qwen_image,
+    "tiny-qwen-image-edit": build_tiny_qwen_image_edit,
 }
 
 

@@ -8,9 +8,10 @@ own does (each newline, word and punctuation mark one token; the markers one tok
 34 tokens are exactly the system part and the user marker, and the prompt's words are what
 remains.
 
-There is no embedded Qwen-Image-Edit: its pipeline reads the reference image through
-transformers' `Qwen2VLProcessor`, which in transformers 5 cannot be built without torchvision
-(its video processor's base class), and genserve does not install torchvision.
+`tiny-qwen-image-edit` is the same pipeline with the reference image read by transformers'
+`Qwen2VLProcessor`. Its default image processor and its video processor need torchvision,
+which genserve does not install; the edit pipeline only ever calls the processor on text and
+images, so it is built from the PIL image processor and no video processor.
 """
 
 from __future__ import annotations
@@ -100,3 +101,36 @@ def build_tiny_qwen_image():
 
     return QwenImagePipeline(**_parts())
 
+
+def _edit_processor(tokenizer):
+    from transformers import Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+    from transformers.processing_utils import ProcessorMixin
+
+    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        """Qwen2-VL's processor for text and images only. transformers checks each sub-
+        processor named in `__init__` against its auto mapping, and the video mapping cannot
+        be read without torchvision; naming no video processor leaves it out."""
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token = "<|image_pad|>"
+            self.video_token = "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    # At most 4x4 merged patches (2x2 patches of 14 pixels each): the pipeline hands the
+    # processor a ~1024x1024 picture, which becomes 16 image tokens for the tiny vision tower.
+    patch = 14 * 2
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=patch * patch,
+                                               max_pixels=16 * patch * patch)
+    return ImageOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
+
+
+def build_tiny_qwen_image_edit():
+    from diffusers import QwenImageEditPipeline
+
+    parts = _parts()
+    return QwenImageEditPipeline(**parts, processor=_edit_processor(parts["tokenizer"]))

@@ -1,5 +1,7 @@
-// genserve realtime video client: a WebSocket session, a decoder Web Worker, and a
-// requestAnimationFrame draw loop. Protocol: docs/realtime_protocol.md.
+// genserve realtime client: a WebSocket session, a decoder Web Worker, and a
+// requestAnimationFrame draw loop. Three modes over the same protocol: video, image
+// (text-to-image) and edit (an uploaded picture + an instruction); finished images go to the
+// gallery (gallery.js) as a "genserve:image" event. Protocol: docs/realtime_protocol.md.
 "use strict";
 
 (() => {
@@ -10,6 +12,17 @@
   const KIND_FINAL = 1;
   // Errors after which the server is still running the generation (it only refused a message).
   const NON_FATAL = new Set(["busy", "not_running", "invalid_json", "invalid_message"]);
+  const VIDEO_TASKS = ["text-to-video", "image-to-video"];
+  // Tasks whose requests bring pictures (the model's card says how many).
+  const IMAGE_INPUT_TASKS = ["image-edit", "inpainting", "image-to-video"];
+  // Which models each mode offers; "edit" also takes text-to-image models that do
+  // image-to-image (their card says `image_to_image`).
+  const MODE_FILTERS = {
+    video: (m) => VIDEO_TASKS.includes(m.task),
+    image: (m) => m.task === "text-to-image",
+    edit: (m) => ["image-edit", "inpainting"].includes(m.task)
+      || (m.task === "text-to-image" && m.image_to_image),
+  };
 
   const state = {
     ws: null,
@@ -19,6 +32,10 @@
     run: 0,               // bumped on every start/stop: frames of older runs are discarded
     settings: null,       // the server's `started` message
     models: [],
+    mode: "video",
+    inputImages: [],      // data URLs of the picture(s) to edit / animate
+    maskImage: null,      // data URL of the inpainting mask
+    runPrompt: "",        // the prompt of the running generation (for the gallery)
     startSentAt: 0,
     firstPreviewSeen: false,
     finals: [],           // decoded final frames waiting for their turn on the canvas
@@ -98,31 +115,119 @@
       showError(`Could not list models: ${err.message}`);
       return;
     }
-    // Video models first: this page plays video; image models give one-frame chunks.
+    // Text-to-video models first: a video mode's first pick should not need a picture.
     cards.sort((a, b) => (b.task === "text-to-video") - (a.task === "text-to-video"));
+    state.models = cards;
+    if (!cards.length) {
+      showError("This server serves no diffusion model.");
+      return;
+    }
+    // Start in video mode when a video model is served, else in image mode.
+    if (!cards.some(MODE_FILTERS[state.mode])) {
+      const mode = ["video", "image", "edit"].find((m) => cards.some(MODE_FILTERS[m]));
+      $("mode").value = mode;
+      state.mode = mode;
+      document.body.dataset.mode = mode;
+    }
+    fillModelList();
+  }
+
+  function fillModelList() {
     const select = $("model");
     const previous = select.value;
-    state.models = cards;
+    const cards = state.models.filter(MODE_FILTERS[state.mode]);
     select.replaceChildren(...cards.map((m) => {
       const option = document.createElement("option");
       option.value = m.id;
       option.textContent = `${m.id} (${m.task})`;
       return option;
     }));
-    if (!cards.length) {
-      showError("This server serves no diffusion model.");
-      return;
-    }
     if (cards.some((m) => m.id === previous)) {
       select.value = previous;
-    } else {
+      updateInputs();
+    } else if (cards.length) {
       select.value = cards[0].id;
       applyModelDefaults();
+    } else {
+      updateInputs();
     }
   }
 
+  function setMode(mode) {
+    state.mode = mode;
+    document.body.dataset.mode = mode;
+    if (!state.models.some(MODE_FILTERS[mode])) {
+      showError(`This server serves no model for ${mode} mode.`);
+    } else {
+      clearError();
+    }
+    fillModelList();
+  }
+
+  function selectedCard() {
+    return state.models.find((m) => m.id === $("model").value);
+  }
+
+  // Which picture inputs the selected model takes: reference pictures (edit, inpainting,
+  // image-to-video), a mask (inpainting), or one starting picture and a strength
+  // (image-to-image on a text-to-image model, in edit mode).
+  function inputNeeds() {
+    const card = selectedCard();
+    if (!card) return { images: 0, mask: false, strength: false };
+    if (IMAGE_INPUT_TASKS.includes(card.task)) {
+      return { images: card.max_reference_images || 1, mask: card.task === "inpainting",
+        strength: false };
+    }
+    const img2img = state.mode === "edit" && card.task === "text-to-image";
+    return { images: img2img ? 1 : 0, mask: false, strength: img2img };
+  }
+
+  function updateInputs() {
+    const needs = inputNeeds();
+    $("image-input").hidden = needs.images === 0;
+    $("input-image").multiple = needs.images > 1;
+    $("mask-row").hidden = !needs.mask;
+    $("strength-row").hidden = !needs.strength;
+    if (state.inputImages.length > needs.images) setInputImages(state.inputImages.slice(0, needs.images));
+  }
+
+  function readAsDataUrl(file) {
+    return new Promise((resolve, reject) => {
+      const reader = new FileReader();
+      reader.onload = () => resolve(reader.result);
+      reader.onerror = () => reject(reader.error);
+      reader.readAsDataURL(file);
+    });
+  }
+
+  function setInputImages(urls) {
+    state.inputImages = urls;
+    $("input-preview").replaceChildren(...urls.map((url) => {
+      const img = document.createElement("img");
+      img.src = url;
+      img.alt = "picture to edit";
+      return img;
+    }));
+  }
+
+  async function onPicturesChosen() {
+    const files = Array.from($("input-image").files || []);
+    const limit = Math.max(1, inputNeeds().images);
+    try {
+      setInputImages(await Promise.all(files.slice(0, limit).map(readAsDataUrl)));
+    } catch (err) {
+      showError(`Could not read the picture: ${err.message}`);
+    }
+  }
+
+  async function onMaskChosen() {
+    const file = ($("input-mask").files || [])[0];
+    state.maskImage = file ? await readAsDataUrl(file) : null;
+  }
+
   function applyModelDefaults() {
-    const card = state.models.find((m) => m.id === $("model").value);
+    updateInputs();
+    const card = selectedCard();
     if (!card) return;
     const [w, h] = String(card.default_size || "").split("x").map(Number);
     if (w && h) { $("width").value = w; $("height").value = h; }
@@ -130,7 +235,7 @@
     $("width").step = $("height").step = factor;
     $("width").min = $("height").min = factor;
     if (card.default_steps) $("steps").value = card.default_steps;
-    $("frames").value = card.task === "text-to-video" ? (card.default_num_frames || 1) : 1;
+    $("frames").value = VIDEO_TASKS.includes(card.task) ? (card.default_num_frames || 1) : 1;
     if (card.default_fps) $("fps").value = card.default_fps;
     // Narrow models (the trained demo models) say which prompts they understand.
     const grammar = $("grammar");
@@ -154,20 +259,39 @@
       showError("Write a prompt first.");
       return;
     }
+    const needs = inputNeeds();
+    if (needs.images && !state.inputImages.length) {
+      showError("Pick a picture first: this model works from an uploaded picture.");
+      return;
+    }
+    if (needs.mask && !state.maskImage) {
+      showError("Pick a mask too: white marks what the model repaints.");
+      return;
+    }
+    const video = state.mode === "video";
     const message = {
       type: "start",
       model: $("model").value || undefined,
       prompt,
-      width: intValue("width"),
-      height: intValue("height"),
       num_inference_steps: intValue("steps"),
-      num_frames: intValue("frames"),
-      fps: intValue("fps"),
       seed: intValue("seed"),
       preview_format: $("format").value,
       preview_quality: intValue("quality"),
-      continuous: $("continuous").checked,
+      continuous: video && $("continuous").checked,
     };
+    // An edit keeps the picture's size (the server's default); otherwise the size fields.
+    if (state.mode !== "edit") {
+      message.width = intValue("width");
+      message.height = intValue("height");
+    }
+    if (video) {
+      message.num_frames = intValue("frames");
+      message.fps = intValue("fps");
+    }
+    if (needs.images) message.images = state.inputImages;
+    if (needs.mask) message.mask = state.maskImage;
+    if (needs.strength) message.strength = Number($("strength").value);
+    state.runPrompt = prompt;
     clearError();
     resetRun();
     state.awaitingStart = true;
@@ -274,11 +398,38 @@
       state.preview = { bitmap: result.bitmap, drawn: false };
     } else if (result.header.kind === KIND_FINAL) {
       stats.finalsReceived += 1;
+      if (state.settings && !VIDEO_TASKS.includes(state.settings.task)) publishImage(result);
       state.finals.push(result);
     } else {
       result.bitmap.close();
     }
   }
+
+  // A finished image (one final frame of an image task) goes to the gallery as a PNG.
+  function publishImage(result) {
+    const { bitmap, header } = result;
+    const copy = document.createElement("canvas");
+    copy.width = bitmap.width;
+    copy.height = bitmap.height;
+    copy.getContext("2d").drawImage(bitmap, 0, 0);
+    const s = state.settings;
+    const detail = {
+      canvas: copy, prompt: state.runPrompt, model: s.model, task: s.task,
+      seed: s.seed + header.chunk, steps: header.step, width: s.width, height: s.height,
+    };
+    stats.imagesPublished = (stats.imagesPublished || 0) + 1;
+    window.dispatchEvent(new CustomEvent("genserve:image", { detail }));
+  }
+
+  // Another script (the gallery) hands a picture to edit: switch to edit mode with it.
+  function editPicture(dataUrl) {
+    $("mode").value = "edit";
+    setMode("edit");
+    setInputImages([dataUrl]);
+    $("input-image").value = "";
+    $("prompt").focus();
+  }
+  window.genserveRealtime.editPicture = editPicture;
 
   // ---- drawing ----
   function frameIntervalMs() {
@@ -350,7 +501,8 @@
     const busy = state.running || state.awaitingStart;
     $("start").disabled = !open || busy;
     $("stop").disabled = !open || !busy;
-    $("send-prompt").disabled = !open || !state.running || !$("continuous").checked;
+    $("send-prompt").disabled = !open || !state.running || !$("continuous").checked
+      || state.mode !== "video";
   }
 
   // ---- wiring ----
@@ -361,6 +513,12 @@
   $("stop").addEventListener("click", stop);
   $("send-prompt").addEventListener("click", sendPrompt);
   $("model").addEventListener("change", applyModelDefaults);
+  $("mode").addEventListener("change", () => setMode($("mode").value));
+  $("input-image").addEventListener("change", onPicturesChosen);
+  $("input-mask").addEventListener("change", onMaskChosen);
+  $("strength").addEventListener("input", () => {
+    $("strength-value").textContent = $("strength").value;
+  });
   $("continuous").addEventListener("change", updateButtons);
   $("quality").addEventListener("input", () => {
     $("quality-value").textContent = $("quality").value;

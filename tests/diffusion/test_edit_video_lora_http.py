@@ -48,7 +48,8 @@ def live(tmp_path_factory, output_dir):
         flux = _BUILDERS["tiny-flux"]()
     lora = make_lora(flux, tmp_path_factory.mktemp("lora") / "ink", 1)
     client = WorkerDiffusionClient(WorkerConfig(
-        ("tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v", "tiny-flux"),
+        ("tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v", "tiny-flux",
+         "tiny-qwen-image-edit"),
         loras=(("tiny-flux", "ink", lora),), num_threads=_threads(), max_batch_size=4,
         batch_delay_ms=150))
     server = LiveServer(create_app(GatewayConfig(), llm_clients=[], diffusion_client=client))
@@ -98,6 +99,26 @@ def test_instruction_edit_and_inpainting_with_the_openai_client(live):
                                 mask=("mask.png", _png(MASK)), prompt="a red cat",
                                 response_format="b64_json", extra_body=FAST)
     assert _decode(filled.data[0].model_dump()).shape == (32, 32, 3)
+
+
+def test_qwen_image_edit_with_the_openai_client(live, http):
+    import openai
+
+    # The edit pipeline reads the picture through Qwen2-VL's processor (built without
+    # torchvision) and its VAE; a different picture gives a different edit.
+    client = openai.OpenAI(base_url=f"{live[0].url}/v1", api_key="x")
+    fields = {**FAST, "guidance_scale": 1.0, "seed": 3}
+    first = client.images.edit(model="tiny-qwen-image-edit", image=("in.png", PICTURE),
+                               prompt="make it blue", response_format="b64_json",
+                               extra_body=fields)
+    out = _decode(first.data[0].model_dump())
+    assert out.shape == (32, 32, 3)
+    other = client.images.edit(model="tiny-qwen-image-edit", image=("in.png", _png(255 - out)),
+                               prompt="make it blue", response_format="b64_json",
+                               extra_body=fields)
+    assert not np.array_equal(out, _decode(other.data[0].model_dump()))
+    r = _edit(http, "tiny-qwen-image-edit", [("image", PICTURE), ("image", PICTURE)])
+    assert r.status_code == 400 and "at most 1" in error_of(r)["message"]
 
 
 def test_reference_image_and_mask_change_the_output(http):
@@ -161,6 +182,58 @@ def test_image_to_video_with_input_reference(http, live):
                                  input_reference=("first.png", PICTURE, "image/png"),
                                  size="32x32", extra_body={"num_frames": 5, **FAST})
     assert _wait(http, video.id)["status"] == "completed"
+
+
+PICTURE_B64 = base64.b64encode(PICTURE).decode()
+
+
+@pytest.mark.parametrize("ref", [
+    f"data:image/png;base64,{PICTURE_B64}", PICTURE_B64,
+    {"image_url": f"data:image/png;base64,{PICTURE_B64}"},
+], ids=["data-url", "base64", "object"])
+def test_image_to_video_with_input_reference_in_a_json_body(http, ref):
+    body = {"model": "tiny-wan-i2v", "prompt": "a bird flying", "size": "32x32",
+            "num_frames": 5, "input_reference": ref, "seed": 4, **FAST}
+    r = http.post("/v1/videos", json=body)
+    assert r.status_code == 200, r.text
+    job = _wait(http, r.json()["id"])
+    assert job["status"] == "completed", job
+    assert http.get(f"/v1/videos/{job['id']}/content").content[4:8] == b"ftyp"
+
+
+def test_input_reference_object_in_a_form(http):
+    # An object field in a multipart form, written `field[key]`, as OpenAI's clients do.
+    data = {"model": "tiny-wan-i2v", "prompt": "a bird", "size": "32x32", "num_frames": "5",
+            "input_reference[image_url]": f"data:image/png;base64,{PICTURE_B64}",
+            **{k: str(v) for k, v in FAST.items()}}
+    r = http.post("/v1/videos", data=data)
+    assert r.status_code == 200, r.text
+    assert _wait(http, r.json()["id"])["status"] == "completed"
+
+
+@pytest.mark.parametrize("ref, says", [
+    ("data:image/png;base64,@@not base64@@", "valid base64"),
+    (base64.b64encode(b"\x89PNG broken").decode(), "could not be decoded"),
+    ({"image_url": "data:text/plain;base64,aGk="}, "image/* type"),
+    ({"file_id": "file-123"}, "Files API"),
+    ({}, "needs image_url"),
+    ("https://example.com/first.png", "not fetched by this server"),
+    ({"image_url": PICTURE_B64, "extra": 1}, "input_reference"),
+])
+def test_bad_json_input_reference_is_400(http, live, ref, says):
+    body = {"model": "tiny-wan-i2v", "prompt": "a bird", "size": "32x32", "num_frames": 5,
+            "input_reference": ref}
+    r = http.post("/v1/videos", json=body)
+    assert r.status_code == 400, r.text
+    assert says in error_of(r)["message"]
+    assert not live[1]._inflight
+
+
+def test_input_reference_as_both_file_and_text_is_400(http):
+    data = {"model": "tiny-wan-i2v", "prompt": "a bird", "size": "32x32", "num_frames": "5",
+            "input_reference": PICTURE_B64}
+    r = http.post("/v1/videos", data=data, files=[("input_reference", PICTURE)])
+    assert r.status_code == 400 and "not both" in error_of(r)["message"]
 
 
 @pytest.mark.parametrize("files, says", [

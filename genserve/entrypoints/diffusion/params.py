@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any, Literal
 
 from fastapi import Request
@@ -88,6 +89,9 @@ class DiffusionParams(BaseModel):
         return v
 
 
+_NESTED_KEY = re.compile(r"(\w+)\[(\w+)\]")
+
+
 async def read_form(request: Request, model: type[BaseModel], file_fields: tuple[str, ...],
                     multi_files: tuple[str, ...] = ()
                     ) -> tuple[BaseModel, dict[str, list[bytes]]]:
@@ -102,6 +106,15 @@ async def read_form(request: Request, model: type[BaseModel], file_fields: tuple
     files: dict[str, list[bytes]] = {}
     for key, value in form.multi_items():
         name = key[:-2] if key.endswith("[]") else key
+        nested = _NESTED_KEY.fullmatch(name)
+        if nested and not hasattr(value, "read"):
+            # An object field as the openai client writes it in a form: `field[key]=value`.
+            outer = fields.setdefault(nested[1], {})
+            if not isinstance(outer, dict):
+                raise bad_request(f"{nested[1]!r} is given both as a value and as an object",
+                                  param=nested[1])
+            outer[nested[2]] = value
+            continue
         if hasattr(value, "read"):
             if name in files and name not in multi_files:
                 raise bad_request(f"only one {name!r} file is accepted", param=name)

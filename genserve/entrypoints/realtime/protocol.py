@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_PROMPT_CHARS = 4000
+MAX_INPUT_IMAGES = 4  # images one start message may bring (edit, inpainting, image-to-video)
 
 
 class _ClientMessage(BaseModel):
@@ -38,6 +39,12 @@ class StartMessage(_ClientMessage):
     continuous: bool = False
     # Continuous mode only: stop after this many chunks (None = until "stop").
     max_chunks: int | None = Field(default=None, ge=1)
+    # Image inputs, each a data URL or a base64 string: the reference images of an
+    # image-edit, inpainting or image-to-video model, or the picture an image-to-image run on
+    # a text-to-image model starts from. The model's task says which.
+    images: list[str] = Field(default_factory=list, max_length=MAX_INPUT_IMAGES)
+    mask: str | None = None  # inpainting: white = repaint, the size of the first image
+    strength: float | None = Field(default=None, gt=0.0, le=1.0)  # image-to-image only
 
 
 class PromptMessage(_ClientMessage):

@@ -21,6 +21,7 @@ UI_ASSETS = {
     "app.js": "text/javascript; charset=utf-8",
     "decoder_worker.js": "text/javascript; charset=utf-8",
     "chat.js": "text/javascript; charset=utf-8",
+    "gallery.js": "text/javascript; charset=utf-8",
 }
 # The UI is small and changes with the server version: always revalidate.
 _NO_CACHE = {"Cache-Control": "no-cache"}

@@ -107,7 +107,7 @@ class RealtimeSession:
             self._error(exc.code, exc.message)
             return
         if isinstance(msg, StartMessage):
-            self._start(msg)
+            await self._start(msg)
         elif isinstance(msg, PromptMessage):
             if not self.generating:
                 self._error("not_running", "No generation is running; send a start message.")
@@ -123,12 +123,19 @@ class RealtimeSession:
     def _error(self, code: str, message: str) -> None:
         self.sender.send_json(error_message(code, message))
 
-    def _start(self, msg: StartMessage) -> None:
+    async def _start(self, msg: StartMessage) -> None:
         if self.generating:
             self._error("busy", "A generation is already running; send stop first.")
             return
         try:
-            settings = resolve_settings(self._client, msg)
+            if msg.images or msg.mask is not None:
+                # Decoding and checking the uploaded images is CPU work: off the event loop.
+                # (The reader awaits this, so no other message of this session runs meanwhile.)
+                loop = asyncio.get_running_loop()
+                settings = await loop.run_in_executor(
+                    self._executor, partial(resolve_settings, self._client, msg))
+            else:
+                settings = resolve_settings(self._client, msg)
         except ProtocolError as exc:
             self._error(exc.code, exc.message)
             return

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 
 from genserve.entrypoints.realtime.frames import FrameFormat
 from genserve.entrypoints.realtime.protocol import ProtocolError, StartMessage
 from genserve.multimodal_gen.client import DiffusionEngineClient
 from genserve.multimodal_gen.messages import (
+    IMAGE_INPUT_TASKS,
     TEXT_TO_IMAGE,
     TEXT_TO_VIDEO,
     DiffusionRequest,
+    ModelSpec,
     StepCacheConfig,
 )
 from genserve.multimodal_gen.validation import MAX_SEED, resolve_request
+from genserve.srt.multimodal.image_source import ImageInputError, decode_inline
 
 # Pacing of final frames for models that have no frame rate (image models).
 FALLBACK_FPS = 8
@@ -35,6 +39,12 @@ class SessionSettings:
     preview_decode_every: int
     continuous: bool
     max_chunks: int | None  # None = until stopped (continuous) ; 1 otherwise
+    task: str = TEXT_TO_VIDEO  # the model's task
+    # Encoded input images of every chunk (see `_image_inputs`).
+    reference_images: tuple[bytes, ...] = ()
+    mask_image: bytes | None = None
+    init_image: bytes | None = None
+    strength: float | None = None
 
     def request(self, request_id: str, chunk: int, prompt: str) -> DiffusionRequest:
         """The diffusion request of chunk `chunk` (previews on)."""
@@ -52,6 +62,10 @@ class SessionSettings:
             seed=(self.seed + chunk) % (MAX_SEED - 8),
             preview=True,
             preview_decode_every=self.preview_decode_every,
+            reference_images=self.reference_images,
+            mask_image=self.mask_image,
+            init_image=self.init_image,
+            strength=self.strength,
         )
 
     def describe(self) -> dict[str, object]:
@@ -68,6 +82,8 @@ class SessionSettings:
             "preview_format": self.preview_format.name.lower(),
             "preview_quality": self.preview_quality,
             "continuous": self.continuous,
+            "task": self.task,
+            "images": len(self.reference_images) + (self.init_image is not None),
         }
 
 
@@ -83,13 +99,18 @@ def resolve_settings(client: DiffusionEngineClient, msg: StartMessage) -> Sessio
         raise ProtocolError(
             "model_not_found", f"The model {model!r} is not served. Served models: {served}."
         ) from None
+    inputs = _image_inputs(msg, spec)
+    width, height = msg.width, msg.height
+    if inputs["init_image"] is not None and width is None and height is None:
+        # Image-to-image keeps the picture's size, as /v1/images/edits does.
+        width, height = _image_size(inputs["init_image"])
     draft = DiffusionRequest(
         request_id="realtime-check",
         model=model,
         prompt=msg.prompt,
         negative_prompt=msg.negative_prompt,
-        width=msg.width,
-        height=msg.height,
+        width=width,
+        height=height,
         num_frames=msg.num_frames,
         fps=msg.fps,
         num_inference_steps=msg.num_inference_steps,
@@ -97,6 +118,7 @@ def resolve_settings(client: DiffusionEngineClient, msg: StartMessage) -> Sessio
         seed=msg.seed,
         preview=True,
         preview_decode_every=msg.preview_decode_every,
+        **inputs,
     )
     try:
         resolved = resolve_request(draft, spec, StepCacheConfig())
@@ -117,4 +139,53 @@ def resolve_settings(client: DiffusionEngineClient, msg: StartMessage) -> Sessio
         preview_decode_every=msg.preview_decode_every,
         continuous=msg.continuous,
         max_chunks=msg.max_chunks if msg.continuous else 1,
+        task=spec.task,
+        reference_images=resolved.reference_images,
+        mask_image=resolved.mask_image,
+        init_image=resolved.init_image,
+        strength=resolved.strength,
     )
+
+
+def _decode(source: str, field: str) -> bytes:
+    try:
+        data = decode_inline(source)
+    except ImageInputError as exc:
+        raise ProtocolError("invalid_request", f"{field}: {exc}.") from None
+    if data is None:
+        raise ProtocolError("invalid_request", f"{field}: send the image itself as a data URL "
+                            "or base64 string; URLs are not fetched here.")
+    return data
+
+
+def _image_inputs(msg: StartMessage, spec: ModelSpec) -> dict[str, object]:
+    """The start message's images as DiffusionRequest fields: reference images (and mask) for
+    an image-edit, inpainting or image-to-video model, the starting picture of image-to-image
+    for a text-to-image model. What the model cannot take is refused by `resolve_request`."""
+    images = tuple(_decode(source, f"images.{i}") for i, source in enumerate(msg.images))
+    mask = _decode(msg.mask, "mask") if msg.mask is not None else None
+    if msg.strength is not None and (spec.task in IMAGE_INPUT_TASKS or not images):
+        raise ProtocolError("invalid_request", "strength applies to image-to-image only: send "
+                            "one image with a text-to-image model that supports it.")
+    if spec.task in IMAGE_INPUT_TASKS or not images or not spec.supports_image_to_image:
+        return {"reference_images": images, "mask_image": mask, "init_image": None,
+                "strength": None}
+    if len(images) > 1:
+        raise ProtocolError("invalid_request", f"model {spec.name} starts image-to-image from "
+                            f"one picture, got {len(images)}.")
+    if mask is not None:
+        raise ProtocolError("invalid_request", f"model {spec.name} does not inpaint (it takes "
+                            "no mask); use an inpainting model.")
+    return {"reference_images": (), "mask_image": None, "init_image": images[0],
+            "strength": msg.strength}
+
+
+def _image_size(data: bytes) -> tuple[int, int]:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.size
+    except (UnidentifiedImageError, OSError, ValueError):
+        raise ProtocolError("invalid_request", "images.0 could not be decoded as an image (PNG, "
+                            "JPEG or WebP).") from None

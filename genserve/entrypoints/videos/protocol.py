@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from genserve.entrypoints.diffusion.params import DiffusionParams
 
@@ -14,13 +14,27 @@ QUEUED, IN_PROGRESS, COMPLETED, FAILED, CANCELLED = (
 FINISHED = (COMPLETED, FAILED, CANCELLED)
 
 
+class ImageReference(BaseModel):
+    """OpenAI's image reference object: `image_url` (an http(s) URL or a base64 data URL) or
+    `file_id` (a Files API id, which this server does not have)."""
+
+    model_config = ConfigDict(extra="forbid")
+    image_url: str | None = None
+    file_id: str | None = None
+
+
 class VideoCreateRequest(DiffusionParams):
-    """POST /v1/videos (JSON or multipart). Give `seconds` or `num_frames`, not both."""
+    """POST /v1/videos (JSON or multipart). Give `seconds` or `num_frames`, not both.
+
+    `input_reference` here is the image as text: a data URL, a base64 string, an http(s) URL
+    (fetched only from --allowed-image-domains) or an `ImageReference`; a multipart upload of
+    the file under the same name comes to the serving code as bytes instead."""
 
     seconds: float | None = Field(default=None, gt=0)
     num_frames: int | None = Field(default=None, ge=1)
     fps: int | None = Field(default=None, ge=1, le=120)
     quality: str | None = None  # accepted for OpenAI compatibility, unused
+    input_reference: str | ImageReference | None = None
 
 
 @dataclass

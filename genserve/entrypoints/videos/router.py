@@ -20,7 +20,9 @@ def build_router() -> APIRouter:
     @router.post("/v1/videos")
     async def create(request: Request,
                      serving: VideoServing = Depends(get_video_serving)) -> dict[str, Any]:
-        body, files = await read_json_or_form(request, VideoCreateRequest, ("input_reference",))
+        # input_reference may be a file upload, or text (a data URL, base64 or a URL) in a
+        # JSON body or a form field: no file-only fields here.
+        body, files = await read_json_or_form(request, VideoCreateRequest)
         return await serving.create(body, files.get("input_reference", []))
 
     @router.get("/v1/videos")

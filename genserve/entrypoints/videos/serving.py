@@ -27,6 +27,7 @@ from genserve.entrypoints.videos.protocol import (
     FAILED,
     FINISHED,
     IN_PROGRESS,
+    ImageReference,
     VideoCreateRequest,
     VideoJob,
 )
@@ -45,6 +46,7 @@ from genserve.multimodal_gen.messages import (
 )
 from genserve.multimodal_gen.output_store import OutputStore
 from genserve.multimodal_gen.validation import MAX_OUTPUTS, MAX_SEED, resolve_request
+from genserve.srt.multimodal.image_source import ImageFetchPolicy, ImageInputError, load_image_bytes
 
 logger = logging.getLogger(__name__)
 VIDEO_STORE_MAX_BYTES = 4 * 1024**3  # 4 GiB of MP4s on disk
@@ -56,8 +58,10 @@ class VideoServing:
     """The video job endpoints of one app: the job table, and a task per running job."""
 
     def __init__(self, client: DiffusionClient, store: OutputStore, admission: Admission,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, image_policy: ImageFetchPolicy | None = None) -> None:
         self.client = client
+        # How an input_reference given as a URL may be fetched (--allowed-image-domains).
+        self.image_policy = image_policy or ImageFetchPolicy()
         self.store = store
         self.admission = admission
         self.metrics = metrics
@@ -66,7 +70,14 @@ class VideoServing:
 
     async def create(self, body: VideoCreateRequest,
                      input_reference: list[bytes] | None = None) -> dict[str, Any]:
-        """Queue a job; with an `input_reference` image the model must be image-to-video."""
+        """Queue a job; with an `input_reference` image (an uploaded file, or the body's
+        `input_reference` text or object) the model must be image-to-video."""
+        input_reference = list(input_reference or ())
+        if body.input_reference is not None:
+            if input_reference:
+                raise bad_request("give input_reference once: as an uploaded file or as an "
+                                  "image URL or data, not both", param="input_reference")
+            input_reference.append(await self._load_reference(body.input_reference))
         tasks = (IMAGE_TO_VIDEO, TEXT_TO_VIDEO) if input_reference else (TEXT_TO_VIDEO,
                                                                           IMAGE_TO_VIDEO)
         spec = resolve_model(self.client, body.model, tasks, "/v1/videos")
@@ -99,6 +110,24 @@ class VideoServing:
         task.add_done_callback(lambda _: run.close())  # also when cancelled before it started
         self._tasks[job_id] = task
         return job.to_dict()
+
+    async def _load_reference(self, ref: str | ImageReference) -> bytes:
+        """The bytes of a textual input_reference; 400 when it names no usable image."""
+        param = "input_reference"
+        if isinstance(ref, ImageReference):
+            if ref.file_id is not None:
+                raise bad_request("input_reference.file_id needs a Files API, which this server "
+                                  "does not have; send input_reference.image_url (a data URL "
+                                  "or an http(s) URL) or upload the image as a file",
+                                  param="input_reference.file_id")
+            if ref.image_url is None:
+                raise bad_request("input_reference needs image_url (a data URL or an http(s) "
+                                  "URL)", param="input_reference.image_url")
+            ref, param = ref.image_url, "input_reference.image_url"
+        try:
+            return await load_image_bytes(ref, self.image_policy)
+        except ImageInputError as exc:
+            raise bad_request(f"input_reference: {exc}", param=param) from None
 
     @staticmethod
     def _num_frames(body: VideoCreateRequest, spec: ModelSpec, fps: int) -> int | None:

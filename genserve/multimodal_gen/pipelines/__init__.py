@@ -70,6 +70,8 @@ EMBEDDED_SPECS: dict[str, tuple[type[DiffusionFamily], dict]] = {
                                                  default_guidance=1.0, default_fps=8)),
     "tiny-qwen-image": (QwenImageFamily, dict(default_width=64, default_height=64,
                                               default_steps=4, max_pixels=512 * 512)),
+    "tiny-qwen-image-edit": (QwenImageEditFamily, dict(default_width=64, default_height=64,
+                                                       default_steps=4, max_pixels=512 * 512)),
 }
 
 

@@ -63,4 +63,11 @@ class QwenImageEditFamily(QwenImageFamily):
         super().__init__(name, pipe, *args, **kwargs)
 
     def condition_kwargs(self, images, mask, req, rows) -> dict[str, Any]:
-        return {"image": images if self.max_reference_images > 1 else images[0]}
+        if self.max_reference_images > 1:
+            return {"image": images}
+        # One picture per row, and so one negative prompt per row: the processor pairs each
+        # prompt (negatives too) with its own image token.
+        kwargs: dict[str, Any] = {"image": [images[0]] * rows}
+        if req.guidance_scale > 1.0:
+            kwargs["negative_prompt"] = [" "] * rows  # a request's own replaces these
+        return kwargs
