@@ -47,7 +47,7 @@ def engine_args_from(args: argparse.Namespace, model_path: str | None) -> Any:
     }
     for name in ("dtype", "mem_fraction", "chunked_prefill_size", "page_size", "num_threads",
                  "grammar_backend", "max_images_per_request", "image_cache_bytes",
-                 "quantization"):
+                 "quantization", "compile"):
         value = getattr(args, name, None)
         if value is not None:  # else the runtime's default
             kwargs[name] = value

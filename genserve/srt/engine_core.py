@@ -13,9 +13,10 @@ from genserve.srt.chat_roles import chat_role_markers
 from genserve.srt.model_config import ModelConfig
 from genserve.srt.model_loader import gguf_path_of, gguf_precision_class, resolve_model_folder
 from genserve.srt.model_runner import ModelRunner
+from genserve.srt.sampling.sampling_params import SamplingParams
 from genserve.srt.scheduler.scheduler import Scheduler
 from genserve.srt.server_args import EngineArgs
-from genserve.srt.tokenizer_manager import load_tokenizer
+from genserve.srt.tokenizer_manager import load_tokenizer, make_tokenized_req
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,21 @@ def context_length_for(args: EngineArgs, config: ModelConfig) -> int:
     return args.context_length
 
 
+def warm_up_compiled_decode(scheduler: Scheduler) -> None:
+    """Run one short greedy request so torch.compile builds the batch-1 decode graph at
+    start-up rather than on a user's first request; its cache entries are flushed after."""
+    import time
+
+    start = time.perf_counter()
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    scheduler.add_request(make_tokenized_req([0, 1, 2, 3], params, rid="compile-warm-up"))
+    while scheduler.has_work():
+        scheduler.step()
+    scheduler.flush_cache()
+    scheduler.check_integrity()
+    logger.info("compile: decode step compiled in %.0f s", time.perf_counter() - start)
+
+
 def build_runtime(args: EngineArgs) -> Runtime:
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
@@ -76,6 +92,8 @@ def build_runtime(args: EngineArgs) -> Runtime:
         source_precision = gguf_precision_class(gguf) if gguf is not None else None
     runner = ModelRunner(args, config, folder, context_length, source_precision)
     scheduler = Scheduler(args, runner, tokenizer)
+    if args.compile:
+        warm_up_compiled_decode(scheduler)
     kv_gib = runner.max_total_tokens * runner.kv_bytes_per_token() / 2**30
     logger.info(
         "loaded %s (%s, %s, quantization %s, %s backend): KV pool %d tokens (%.2f GiB), context %d",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import psutil
@@ -116,6 +117,7 @@ class ModelRunner:
         )
         self.model = load_model(config, folder, self.device, self.dtype, self.kernels)
         self.quantization = self._quantize(args.quantization, source_precision)
+        self._compiled_decode = self._compile_decode() if args.compile else None
         if backend == "triton":
             unsupported = [
                 i.layer_id
@@ -158,10 +160,30 @@ class ModelRunner:
         choice = choose_quantization(requested, source_precision, self.model, self.device)
         n = quantize_model(self.model, choice.mode)
         logger.info(
-            "quantization %s (%s): %s%d M weights", choice.mode, choice.reason,
-            f"requested {requested}, " if requested != choice.mode else "", n // 10**6
+            "quantization %s (%s): %s%d M weights",
+            choice.mode,
+            choice.reason,
+            f"requested {requested}, " if requested != choice.mode else "",
+            n // 10**6,
         )
         return choice.mode
+
+    def _compile_decode(self):
+        """torch.compile of the model's forward, used for decode steps at batch 1.
+
+        Batch 1 is the step a single chat waits on, and its shape varies only in the sequence
+        length (compiled dynamic), so one graph serves every step; larger batches take other
+        attention plans (padding masks, cascade groups), each of which would stall the server
+        on a recompile, so they stay eager."""
+        if self.device.type == "cpu" and not any(
+            shutil.which(c) for c in ("g++", "c++", "clang++")
+        ):
+            raise ValueError(
+                "--compile on CPU needs a C++ compiler (g++ or clang++) for torch.compile's "
+                "generated kernels; install one or drop --compile"
+            )
+        logger.info("compile: the batch-1 decode step is compiled by a warm-up request")
+        return torch.compile(self.model.forward, dynamic=True)
 
     def kv_bytes_per_token(self) -> int:
         elt = torch.tensor([], dtype=self.dtype).element_size()
@@ -248,4 +270,10 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Float32 logits [batch, vocab] of each request's last new token."""
         self.attn_backend.init_forward_metadata(fb)
+        if (
+            self._compiled_decode is not None
+            and fb.mode is ForwardMode.DECODE
+            and fb.batch_size == 1
+        ):
+            return self._compiled_decode(fb)
         return self.model(fb)

@@ -46,7 +46,8 @@ class EngineArgs:
     # (auto keeps a GGUF's precision class and leaves full-precision checkpoints as they are;
     # `genserve serve` defaults to auto, the Engine to none: exact Hugging Face outputs).
     quantization: str = "none"
-    # torch.compile the decode forward (needs a C++ compiler on CPU).
+    # torch.compile the batch-1 decode forward (needs a C++ compiler on CPU); compiled at
+    # start-up by a warm-up request.
     compile: bool = False
     # Vision-language models: byte budget of the image-embedding LRU, images per request.
     image_cache_bytes: int = 512 * 1024 * 1024

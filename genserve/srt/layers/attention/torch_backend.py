@@ -48,6 +48,7 @@ class TorchAttnBackend(AttentionBackend):
         self._full_index: torch.Tensor | None = None  # [batch, max_len]
         self._full_valid: torch.Tensor | None = None  # [batch, max_len] bool
         self._seq_lens: torch.Tensor | None = None  # [batch]
+        self._uniform = False  # every decode row has the same length
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         req_to_token = fb.req_to_token_pool.req_to_token
@@ -58,6 +59,9 @@ class TorchAttnBackend(AttentionBackend):
             valid = arange.unsqueeze(0) < fb.seq_lens.unsqueeze(1)  # [batch, max_len]
             index = torch.where(valid, rows, torch.zeros_like(rows))
             self._full_index, self._full_valid, self._seq_lens = index, valid, fb.seq_lens
+            # Rows of one length (always at batch 1) need no padding mask: SDPA then runs its
+            # unmasked kernel.
+            self._uniform = min(fb.seq_lens_cpu) == max_len
             if fb.token_to_kv_pool.dtype == torch.float32:
                 self._plan_cascade(index, valid, fb.seq_lens_cpu)
             else:
@@ -71,7 +75,8 @@ class TorchAttnBackend(AttentionBackend):
 
     def _plan_plain(self, index: torch.Tensor, valid: torch.Tensor) -> None:
         self._groups, self._plain_rows = [], None
-        self._decode_index, self._decode_mask = index, valid[:, None, None, :]
+        self._decode_index = index
+        self._decode_mask = None if self._uniform else valid[:, None, None, :]
 
     def _plan_cascade(self, index: torch.Tensor, valid: torch.Tensor, seq_lens: list[int]) -> None:
         # Requests holding the same KV slot at column K - 1 (K = CASCADE_MIN_PREFIX) share the
@@ -210,7 +215,7 @@ class TorchAttnBackend(AttentionBackend):
     def _decode_padded(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer, gqa: bool
     ) -> torch.Tensor:
-        assert self._decode_index is not None and self._decode_mask is not None
+        assert self._decode_index is not None
         batch, max_len = self._decode_index.shape
         flat = self._decode_index.reshape(-1)
         # [batch, kv_heads, max_len, head_dim]
