@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,18 @@ from typing import Any
 logger = logging.getLogger("genserve.supervision")
 
 STARTING, READY, RESTARTING, STOPPED = "starting", "ready", "restarting", "stopped"
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM a child process (it drains its requests), SIGKILL it when it is still alive
+    after `timeout` seconds, and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 
 import httpx
 
+from genserve.supervision import stop_process
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -57,11 +59,5 @@ def serve_subprocess(*flags: str, start_timeout: float = 300.0
             raise RuntimeError(f"genserve serve exited: {log.read()[-4000:]}")
         yield proc, url
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc, 60)
         log.close()

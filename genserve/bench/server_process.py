@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from genserve.supervision import stop_process
+
 # The fuzz and soak benchmarks' server: bounded work per request (a short context caps LLM
 # generation), two realtime sessions at most, a quick drain.
 ROBUSTNESS_FLAGS = ("--dtype", "float32", "--context-length", "256", "--max-realtime-sessions",
@@ -81,13 +83,7 @@ def serve(*flags: str, start_timeout: float = 600.0) -> Iterator[ServerProcess]:
             raise RuntimeError(f"genserve serve exited:\n{server.log_tail()}")
         yield server
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc, 120)
         log.close()
         os.unlink(log.name)
 

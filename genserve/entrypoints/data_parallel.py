@@ -34,6 +34,8 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from genserve.supervision import stop_process
+
 logger = logging.getLogger("genserve.dp")
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
@@ -141,14 +143,8 @@ class _Worker:
         self.started_at = time.monotonic()
 
     def stop(self, timeout: float) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc, timeout)
 
 
 class DataParallelLauncher:
@@ -239,12 +235,8 @@ class DataParallelLauncher:
             worker.start()
 
     def _shutdown(self) -> None:
-        if self.router is not None and self.router.poll() is None:
-            self.router.terminate()
-            try:
-                self.router.wait(15)
-            except subprocess.TimeoutExpired:
-                self.router.kill()
+        if self.router is not None:
+            stop_process(self.router, 15)
         for worker in self.workers:
             if worker.proc is not None and worker.proc.poll() is None:
                 worker.proc.terminate()
