@@ -82,7 +82,13 @@ def router(replicas: list[str], policy: str) -> Iterator[str]:
         proc.wait(15)
 
 
-async def _throughput(url: str, requests: int, concurrency: int, max_tokens: int) -> float:
+def _served_model(url: str) -> str:
+    return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+async def _throughput(
+    url: str, model: str, requests: int, concurrency: int, max_tokens: int
+) -> float:
     """Output tokens per second of `requests` completions, `concurrency` at a time."""
     sem = asyncio.Semaphore(concurrency)
     tokens = 0
@@ -91,7 +97,7 @@ async def _throughput(url: str, requests: int, concurrency: int, max_tokens: int
         nonlocal tokens
         async with sem:
             r = await http.post(url + "/v1/completions", json={
-                "model": "SmolLM2-135M-Instruct", "prompt": f"Story {i}: once upon a time",
+                "model": model, "prompt": f"Story {i}: once upon a time",
                 "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
             r.raise_for_status()
             tokens += r.json()["usage"]["completion_tokens"]
@@ -104,11 +110,16 @@ async def _throughput(url: str, requests: int, concurrency: int, max_tokens: int
 
 def bench_overhead(args: argparse.Namespace, flags: list[str]) -> dict:
     with replica(flags) as direct, router([direct], "round_robin") as routed:
-        asyncio.run(_throughput(direct, 4, 4, 4))  # warm-up
+        model = _served_model(direct)
+        asyncio.run(_throughput(direct, model, 4, 4, 4))  # warm-up
         ratios, rows = [], []
         for _ in range(args.rounds):
-            a = asyncio.run(_throughput(direct, args.requests, args.concurrency, args.tokens))
-            b = asyncio.run(_throughput(routed, args.requests, args.concurrency, args.tokens))
+            a = asyncio.run(
+                _throughput(direct, model, args.requests, args.concurrency, args.tokens)
+            )
+            b = asyncio.run(
+                _throughput(routed, model, args.requests, args.concurrency, args.tokens)
+            )
             ratios.append(b / a)
             rows.append({"direct_tok_s": round(a, 1), "router_tok_s": round(b, 1)})
     return {"rounds": rows, "median_ratio": round(statistics.median(ratios), 3),
