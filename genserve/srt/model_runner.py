@@ -13,7 +13,7 @@ from genserve.srt.device import resolve_device, resolve_dtype
 from genserve.srt.distributed import TPGroup
 from genserve.srt.forward_batch import ForwardBatch, ForwardMode
 from genserve.srt.layers.attention.base import AttentionBackend
-from genserve.srt.layers.parallel import check_tp_size, kv_heads, q_heads
+from genserve.srt.layers.parallel import check_tp_size, split_heads
 from genserve.srt.layers.quantization import choose_quantization, quantize_model
 from genserve.srt.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from genserve.srt.model_config import ModelConfig
@@ -89,9 +89,7 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
         raise ValueError("--tp is not supported for vision-language models yet")
     if not getattr(get_model_class(config.architecture), "supports_tp", False):
         raise ValueError(f"--tp is not supported for {config.architecture} yet")
-    check_tp_size(
-        config.num_attention_heads, config.num_key_value_heads, config.intermediate_size, tp_size
-    )
+    check_tp_size(config.num_attention_heads, config.num_key_value_heads, tp_size)
 
 
 def create_attention_backend(name: str, runner: ModelRunner) -> AttentionBackend:
@@ -131,8 +129,8 @@ class ModelRunner:
         self.tp_workers: TPWorkers | None = None
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
-        self.num_heads = q_heads(config.num_attention_heads, self.tp)[1]  # on this rank
-        self.num_kv_heads = kv_heads(config.num_key_value_heads, self.tp)[1]
+        heads = split_heads(config.num_attention_heads, config.num_key_value_heads, self.tp)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads  # this rank's
         self.head_dim = config.head_dim
         self.context_length = context_length
         torch.manual_seed(args.random_seed)

@@ -32,6 +32,20 @@ def test_tp2_matches_hf_with_fewer_kv_heads_than_ranks(one_kv_head):
     assert_greedy_matches_hf(one_kv_head, tp_size=2)
 
 
+def test_tp2_matches_hf_with_uneven_kv_groups(tmp_path):
+    # 3 KV groups of 2 query heads on 2 ranks: 2 groups on rank 0, 1 on rank 1 (SmolLM2-135M
+    # splits its 9 query / 3 KV heads the same way).
+    # An odd intermediate size splits 50 + 51.
+    shape = {
+        "num_attention_heads": 6,
+        "num_key_value_heads": 3,
+        "hidden_size": 96,
+        "intermediate_size": 101,
+    }
+    cfg = tf.LlamaConfig(**{**TINY, **shape}, head_dim=16)
+    assert_greedy_matches_hf(save_tiny(tf.LlamaForCausalLM, cfg, tmp_path), tp_size=2)
+
+
 def test_tp2_matches_hf_qwen2_biases_tied_embeddings(tiny_model_factory):
     # 4 query heads, 2 KV heads (one per rank), q/k/v biases, tied embeddings.
     assert_greedy_matches_hf(tiny_model_factory("qwen2"), tp_size=2)
@@ -41,9 +55,9 @@ def test_tp_sizes_that_do_not_split_the_heads_are_refused(one_kv_head):
     with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
         Engine(str(one_kv_head), tp_size=3, dtype="float32", max_total_tokens=256)
     with pytest.raises(ValueError, match="larger than the model's 4 attention heads"):
-        check_tp_size(4, 1, 128, 8)
+        check_tp_size(4, 1, 8)
     with pytest.raises(ValueError, match="not a multiple of the model's 2 KV heads"):
-        check_tp_size(12, 2, 120, 3)
+        check_tp_size(12, 2, 3)
     with pytest.raises(ValueError, match="tp_size must be >= 1"):
         EngineArgs(tp_size=0)
     with pytest.raises(ValueError, match="int8wo is not supported with --tp > 1"):

@@ -16,6 +16,8 @@ group of size 1 each layer is its plain counterpart.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,65 +28,74 @@ from genserve.srt.models.base import Embedding
 Slice = tuple[int, int, int]  # (dim, start, length) of a checkpoint tensor
 
 
-def check_tp_size(num_heads: int, num_kv_heads: int, intermediate_size: int, tp: int) -> None:
-    """ValueError naming the problem when `tp` ranks cannot split this model's heads evenly."""
+def check_tp_size(num_heads: int, num_kv_heads: int, tp: int) -> None:
+    """ValueError naming the problem when `tp` ranks cannot split this model's heads."""
     if tp < 1:
         raise ValueError(f"--tp must be >= 1, got {tp}")
-    if tp == 1:
-        return
     if tp > num_heads:
         raise ValueError(f"--tp {tp} is larger than the model's {num_heads} attention heads")
+    if num_kv_heads >= tp:
+        return  # whole KV groups per rank (uneven when tp does not divide them)
     if num_heads % tp:
         raise ValueError(f"--tp {tp} does not divide the model's {num_heads} attention heads")
-    if num_kv_heads >= tp and num_kv_heads % tp:
-        raise ValueError(f"--tp {tp} does not divide the model's {num_kv_heads} KV heads")
-    if num_kv_heads < tp and tp % num_kv_heads:
+    if tp % num_kv_heads:
         raise ValueError(
-            f"--tp {tp} is not a multiple of the model's {num_kv_heads} KV heads (each KV head "
-            "must be replicated on the same number of ranks)"
-        )
-    if intermediate_size % tp:
-        raise ValueError(
-            f"--tp {tp} does not divide the model's intermediate size {intermediate_size}"
+            f"--tp {tp} is not a multiple of the model's {num_kv_heads} KV heads (with fewer "
+            "KV heads than ranks each KV head is replicated on the same number of ranks)"
         )
 
 
-def q_heads(num_heads: int, tp: TPGroup) -> tuple[int, int]:
-    """(first head, count) of the query heads on this rank."""
-    per = num_heads // tp.size
-    return tp.rank * per, per
+@dataclass(frozen=True)
+class HeadSplit:
+    """The attention heads of one rank: query heads [q_start, q_start + num_heads) and the KV
+    heads [kv_start, kv_start + num_kv_heads) they attend with."""
+
+    q_start: int
+    num_heads: int
+    kv_start: int
+    num_kv_heads: int
 
 
-def kv_heads(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
-    """(first head, count) of the KV heads on this rank. With fewer KV heads than ranks each
-    rank keeps the one KV head its query heads attend with (ranks rank*kv//tp share it)."""
-    if num_kv_heads >= tp.size:
-        per = num_kv_heads // tp.size
-        return tp.rank * per, per
-    return tp.rank * num_kv_heads // tp.size, 1
+def split_heads(num_heads: int, num_kv_heads: int, tp: TPGroup) -> HeadSplit:
+    """With at least as many KV heads as ranks, each rank takes whole KV groups (a KV head and
+    its query heads), as evenly as they go: 9 query / 3 KV heads on 2 ranks are 6 + 3 query
+    heads with 2 + 1 KV heads. With fewer, the query heads split evenly and each rank keeps the
+    one KV head its query heads use (replicated on tp // num_kv_heads ranks)."""
+    r, n = tp.rank, tp.size
+    if num_kv_heads >= n:
+        group = num_heads // num_kv_heads
+        g0, g1 = r * num_kv_heads // n, (r + 1) * num_kv_heads // n
+        return HeadSplit(g0 * group, (g1 - g0) * group, g0, g1 - g0)
+    per = num_heads // n
+    return HeadSplit(r * per, per, r * num_kv_heads // n, 1)
 
 
 def column_split(size: int, tp: TPGroup) -> tuple[int, int]:
-    """(start, length) of this rank's share of `size` output features."""
-    per = size // tp.size
-    return tp.rank * per, per
+    """(start, length) of this rank's share of `size` features (shares differ by at most 1)."""
+    start, end = tp.rank * size // tp.size, (tp.rank + 1) * size // tp.size
+    return start, end - start
 
 
 class RowParallelLinear(nn.Linear):
     """y = x W^T + b with W's input columns split across ranks: x arrives split the same way
-    (the heads / columns this rank computed), the partial products are summed over ranks and
-    the bias (not split) is added once."""
+    (the heads / columns this rank computed: `in_split`, (start, length) of the full input),
+    the partial products are summed over ranks and the bias (not split) is added once."""
 
     def __init__(
-        self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False
+        self,
+        in_split: tuple[int, int],
+        out_features: int,
+        tp: TPGroup,
+        bias: bool = False,
     ) -> None:
-        super().__init__(in_features // tp.size, out_features, bias=bias)
+        super().__init__(in_split[1], out_features, bias=bias)
+        self.in_start = in_split[0]
         self.tp = tp
 
     def checkpoint_slice(self, leaf: str, shard: object) -> Slice | None:
         if leaf != "weight" or self.tp.size == 1:
             return None
-        return 1, self.tp.rank * self.in_features, self.in_features
+        return 1, self.in_start, self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -22,8 +22,7 @@ from genserve.srt.layers.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     column_split,
-    kv_heads,
-    q_heads,
+    split_heads,
 )
 from genserve.srt.layers.rotary_embedding import RotaryEmbedding
 from genserve.srt.model_config import ModelConfig
@@ -48,7 +47,7 @@ class LlamaMLP(nn.Module):
             {"gate": per, "up": per},
             sources={"gate": (start, per), "up": (start, per)} if tp.size > 1 else None,
         )
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
+        self.down_proj = RowParallelLinear((start, per), cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -75,16 +74,16 @@ class LlamaAttention(nn.Module):
         tp: TPGroup = _SINGLE,
     ) -> None:
         super().__init__()
-        q_start, self.num_heads = q_heads(cfg.num_attention_heads, tp)
-        kv_start, self.num_kv_heads = kv_heads(cfg.num_key_value_heads, tp)
+        heads = split_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         self.head_dim = d = cfg.head_dim
         self.q_size = self.num_heads * d
         self.kv_size = self.num_kv_heads * d
         bias = cfg.attention_bias if qkv_bias is None else qkv_bias
         sources = {
-            "q": (q_start * d, self.q_size),
-            "k": (kv_start * d, self.kv_size),
-            "v": (kv_start * d, self.kv_size),
+            "q": (heads.q_start * d, self.q_size),
+            "k": (heads.kv_start * d, self.kv_size),
+            "v": (heads.kv_start * d, self.kv_size),
         }
         self.qkv_proj = MergedLinear(
             cfg.hidden_size,
@@ -92,7 +91,7 @@ class LlamaAttention(nn.Module):
             bias=bias,
             sources=sources if tp.size > 1 else None,
         )
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp)
+        self.o_proj = RowParallelLinear((heads.q_start * d, self.q_size), cfg.hidden_size, tp)
         use_qk_norm = cfg.qk_norm if qk_norm is None else qk_norm
         norm = (
             (lambda: RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels.norm, norm_unit_offset))
