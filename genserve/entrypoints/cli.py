@@ -46,6 +46,10 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of the LLM scheduler process (default: torch's choice).")
+    g.add_argument("--tp", "--tp-size", dest="tp_size", type=int, default=None, metavar="N",
+                   help="Tensor parallelism: split every layer's heads and columns over N "
+                        "processes (one GPU each on CUDA, gloo on CPU). Text models of the "
+                        "Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2).")
     g.add_argument("--disable-radix-cache", action="store_true")
     g.add_argument("--grammar-backend", default=None, choices=("xgrammar", "none"),
                    help="Constrained decoding (json_schema / regex / ebnf, response_format, "

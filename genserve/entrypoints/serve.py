@@ -47,7 +47,7 @@ def engine_args_from(args: argparse.Namespace, model_path: str | None) -> Any:
     }
     for name in ("dtype", "mem_fraction", "chunked_prefill_size", "page_size", "num_threads",
                  "grammar_backend", "max_images_per_request", "image_cache_bytes",
-                 "quantization", "compile"):
+                 "quantization", "compile", "tp_size"):
         value = getattr(args, name, None)
         if value is not None:  # else the runtime's default
             kwargs[name] = value
@@ -91,16 +91,17 @@ def import_async_engine() -> Any:
     return AsyncEngine
 
 
-def default_llm_paths() -> list[str | None]:
+def default_llm_paths(tp_size: int = 1) -> list[str | None]:
     """The LLMs served when none is named: the embedded SmolLM2 (None) and the trained
-    vision-language demo model `shapes-vl` (a folder shipped in the package, found by name)."""
-    return [None, "shapes-vl"]
+    vision-language demo model `shapes-vl` (a folder shipped in the package, found by name),
+    which tensor parallelism does not split: with --tp > 1 only SmolLM2."""
+    return [None, "shapes-vl"] if tp_size == 1 else [None]
 
 
 async def _start_llms(args: argparse.Namespace) -> list[LLMEngineClient]:
     AsyncEngine = import_async_engine()  # noqa: N806 (a class)
     clients: list[LLMEngineClient] = []
-    for path in args.model_path or default_llm_paths():
+    for path in args.model_path or default_llm_paths(getattr(args, "tp_size", None) or 1):
         engine_args = engine_args_from(args, path)
         logger.info("loading LLM %s", path or "(embedded SmolLM2-135M-Instruct)")
         engine = AsyncEngine(engine_args)

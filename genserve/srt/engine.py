@@ -169,6 +169,7 @@ class Engine:
 
     def shutdown(self) -> None:
         self.scheduler.waiting.clear()
+        self.runtime.shutdown()  # stops the tensor-parallel ranks
 
     def __enter__(self) -> Engine:
         return self

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from genserve.srt.chat_roles import chat_role_markers
 from genserve.srt.model_config import ModelConfig
 from genserve.srt.model_loader import gguf_path_of, gguf_precision_class, resolve_model_folder
-from genserve.srt.model_runner import ModelRunner
+from genserve.srt.model_runner import ModelRunner, check_tensor_parallel
 from genserve.srt.sampling.sampling_params import SamplingParams
 from genserve.srt.scheduler.scheduler import Scheduler
 from genserve.srt.server_args import EngineArgs
 from genserve.srt.tokenizer_manager import load_tokenizer, make_tokenized_req
+
+if TYPE_CHECKING:
+    from genserve.srt.tp_worker import TPWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +34,12 @@ class Runtime:
     tokenizer: Any
     runner: ModelRunner
     scheduler: Scheduler
+    tp_workers: TPWorkers | None = None  # tensor-parallel ranks 1..N-1
+
+    def shutdown(self) -> None:
+        if self.tp_workers is not None:
+            self.tp_workers.stop()
+            self.tp_workers = None
 
     def model_info(self) -> dict[str, Any]:
         cfg = self.config
@@ -45,6 +55,7 @@ class Runtime:
             "context_length": self.runner.context_length,
             "vocab_size": cfg.vocab_size,
             "num_layers": cfg.num_hidden_layers,
+            "tp_size": self.args.tp_size,
             "max_total_tokens": self.runner.max_total_tokens,
             "eos_token_ids": list(cfg.eos_token_ids),
             "generation_defaults": dict(cfg.generation_defaults),
@@ -79,7 +90,12 @@ def warm_up_compiled_decode(scheduler: Scheduler) -> None:
     logger.info("compile: decode step compiled in %.0f s", time.perf_counter() - start)
 
 
-def build_runtime(args: EngineArgs) -> Runtime:
+def build_runtime(
+    args: EngineArgs,
+    log_level: str = "info",
+    on_rank_death: Callable[[str], None] | None = None,
+) -> Runtime:
+    """on_rank_death: called (from a thread) when a tensor-parallel worker dies."""
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     folder, name = resolve_model_folder(args.model_path, args.dtype, args.device)
@@ -90,7 +106,13 @@ def build_runtime(args: EngineArgs) -> Runtime:
     if args.quantization == "auto":
         gguf = gguf_path_of(args.model_path)
         source_precision = gguf_precision_class(gguf) if gguf is not None else None
-    runner = ModelRunner(args, config, folder, context_length, source_precision)
+    if args.tp_size == 1:
+        runner = ModelRunner(args, config, folder, context_length, source_precision)
+        workers = None
+    else:
+        runner, workers = _start_tensor_parallel(
+            args, config, folder, context_length, source_precision, log_level, on_rank_death
+        )
     scheduler = Scheduler(args, runner, tokenizer)
     if args.compile:
         warm_up_compiled_decode(scheduler)
@@ -106,4 +128,35 @@ def build_runtime(args: EngineArgs) -> Runtime:
         kv_gib,
         context_length,
     )
-    return Runtime(args, folder, name, config, tokenizer, runner, scheduler)
+    return Runtime(args, folder, name, config, tokenizer, runner, scheduler, workers)
+
+
+def _start_tensor_parallel(
+    args: EngineArgs,
+    config: ModelConfig,
+    folder: Path,
+    context_length: int,
+    source_precision: str | None,
+    log_level: str,
+    on_rank_death: Callable[[str], None] | None,
+) -> tuple[ModelRunner, TPWorkers]:
+    """Start ranks 1..N-1 and load rank 0's share here; a rank that cannot load stops all."""
+    from genserve.srt.tp_worker import TPWorkers
+
+    check_tensor_parallel(config, args.tp_size)  # before any process starts
+    workers = TPWorkers(
+        args, config, folder, context_length, source_precision, log_level, on_rank_death
+    )
+    try:
+        runner = ModelRunner(
+            args, config, folder, context_length, source_precision, tp=workers.group
+        )
+        workers.wait_ready()
+    except Exception as exc:
+        error = workers.startup_error()
+        workers.stop()
+        if error is not None:
+            raise RuntimeError(error) from exc
+        raise
+    runner.tp_workers = workers
+    return runner, workers

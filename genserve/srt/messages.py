@@ -199,3 +199,25 @@ class InputLogprobs:
 @dataclass
 class BatchReqOutput:
     outputs: list[ReqOutput]
+
+
+@dataclass
+class ForwardInputs:
+    """One forward pass, sent by tensor-parallel rank 0 (which schedules) to every other rank,
+    which runs the same batch on its share of the heads. KV slot indices mean the same on
+    every rank (their pools have the same size and only rank 0 allocates)."""
+
+    mode: str  # ForwardMode value
+    rows: list[int]  # req_to_token rows of the requests
+    input_ids: list[int]  # new tokens, request after request
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    # Each request's req_to_token[row, :prefix_len + extend_len], request after request (its
+    # cached prefix and its new tokens' slots).
+    token_slots: list[int]
+    logits_indices: list[int]  # rows of the hidden states whose logits are computed
+
+
+@dataclass
+class StopWorker:
+    """Rank 0 is shutting down: the other tensor-parallel ranks exit."""

@@ -12,6 +12,7 @@ import importlib.util
 import io
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -380,18 +381,21 @@ def load_checkpoint(model: CausalLM, folder: Path) -> None:
         entries = read_safetensors_header(path)
         with open(path, "rb", buffering=0) as f:
             for e in entries:
-                dst = loader.destination(e.name, e.shape)
-                if dst is None:
+                target = loader.destination(e.name, e.shape)
+                if target is None:
                     continue
-                if e.nbytes != dst.numel() * torch.tensor([], dtype=e.dtype).element_size():
+                dst, part = target
+                elt = torch.tensor([], dtype=e.dtype).element_size()
+                if e.nbytes != math.prod(e.shape) * elt:
                     raise ValueError(f"{path}: tensor {e.name} has {e.nbytes} bytes for {e.shape}")
                 with torch.no_grad():
-                    if dst.dtype == e.dtype and dst.device.type == "cpu" and dst.is_contiguous():
+                    if (part is None and dst.dtype == e.dtype and dst.device.type == "cpu"
+                            and dst.is_contiguous()):
                         _read_exact(f, e.start, dst)
-                    else:
+                    else:  # a tensor-parallel rank reads the whole tensor, keeps its slice
                         tmp = torch.empty(e.shape, dtype=e.dtype)
                         _read_exact(f, e.start, tmp)
-                        dst.copy_(tmp)
+                        dst.copy_(tmp.narrow(*part) if part is not None else tmp)
                         del tmp
     loader.finish()
 

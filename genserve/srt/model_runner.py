@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
 
 from genserve.srt.device import resolve_device, resolve_dtype
+from genserve.srt.distributed import TPGroup
 from genserve.srt.forward_batch import ForwardBatch, ForwardMode
 from genserve.srt.layers.attention.base import AttentionBackend
+from genserve.srt.layers.parallel import check_tp_size, split_heads
 from genserve.srt.layers.quantization import choose_quantization, quantize_model
 from genserve.srt.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from genserve.srt.model_config import ModelConfig
@@ -19,6 +22,9 @@ from genserve.srt.model_loader import load_checkpoint, load_state_dict
 from genserve.srt.models.base import CausalLM, ModelKernels
 from genserve.srt.models.registry import get_model_class
 from genserve.srt.server_args import EngineArgs
+
+if TYPE_CHECKING:
+    from genserve.srt.tp_worker import TPWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +42,17 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     kernels: ModelKernels,
+    tp: TPGroup | None = None,
 ) -> CausalLM:
     """Build the family's model on the meta device, give it empty storage in `dtype` on
-    `device`, and stream the checkpoint into it: no weight ever exists in another dtype."""
+    `device`, and stream the checkpoint into it: no weight ever exists in another dtype.
+    With a tensor-parallel group of size > 1 the model holds this rank's share."""
     model_cls = get_model_class(config.architecture)
     if config.multimodal is not None:
         return _load_vision_model(model_cls, config, folder, device, dtype)
     with torch.device("meta"):
-        model = model_cls(config, kernels)
+        model = model_cls(config, kernels, tp) if tp is not None and tp.size > 1 else (
+            model_cls(config, kernels))
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own copy of a shared parameter
     for module in model.modules():  # buffers (the rotary tables) were meta: compute them
@@ -70,6 +79,20 @@ def _load_vision_model(
     return model
 
 
+def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
+    """ValueError when this model cannot run on `tp_size` tensor-parallel ranks."""
+    if tp_size == 1:
+        return
+    hf = config.hf
+    if hf.get("num_local_experts") or hf.get("num_experts"):
+        raise ValueError("--tp is not supported for MoE models yet")
+    if config.multimodal is not None:
+        raise ValueError("--tp is not supported for vision-language models yet")
+    if not getattr(get_model_class(config.architecture), "supports_tp", False):
+        raise ValueError(f"--tp is not supported for {config.architecture} yet")
+    check_tp_size(config.num_attention_heads, config.num_key_value_heads, tp_size)
+
+
 def create_attention_backend(name: str, runner: ModelRunner) -> AttentionBackend:
     """Registry of attention backends (torch: CPU default and reference; triton: CUDA default)."""
     if name == "torch":
@@ -93,15 +116,22 @@ class ModelRunner:
         folder: Path,
         context_length: int,
         source_precision: str | None = None,
+        tp: TPGroup | None = None,
     ):
         """source_precision: "int8" / "int4" when the weights came from a GGUF stored in that
-        precision class (what `--quantization auto` keeps), None for full precision."""
+        precision class (what `--quantization auto` keeps), None for full precision.
+        tp: this rank's tensor-parallel group (None: one rank); the runner then holds the
+        rank's share of the heads and of the KV pool."""
+        check_tensor_parallel(config, args.tp_size)
         self.args = args
         self.config = config
+        self.tp = tp or TPGroup.single()
+        # Set on rank 0 of a tensor-parallel group: every forward is sent to the other ranks.
+        self.tp_workers: TPWorkers | None = None
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        heads = split_heads(config.num_attention_heads, config.num_key_value_heads, self.tp)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads  # this rank's
         self.head_dim = config.head_dim
         self.context_length = context_length
         torch.manual_seed(args.random_seed)
@@ -115,7 +145,7 @@ class ModelRunner:
             rotary=args.rotary_kernel or kernel,
             moe=args.moe_kernel or kernel,
         )
-        self.model = load_model(config, folder, self.device, self.dtype, self.kernels)
+        self.model = load_model(config, folder, self.device, self.dtype, self.kernels, self.tp)
         self.quantization = self._quantize(args.quantization, source_precision)
         self._compiled_decode = self._compile_decode() if args.compile else None
         if backend == "triton":
@@ -131,7 +161,8 @@ class ModelRunner:
                     "use --attention-backend torch"
                 )
 
-        self.max_total_tokens = self._pool_size()
+        # Every rank takes the smallest pool so that rank 0's slot indices are valid on all.
+        self.max_total_tokens = self.tp.min_int(self._pool_size(), self.device)
         self.req_to_token_pool = ReqToTokenPool(
             max(2 * args.max_running_requests, 16), context_length + 8, self.device
         )
@@ -150,6 +181,8 @@ class ModelRunner:
         """Apply weight-only quantization; returns the mode the model runs in."""
         if requested == "none":
             return "none"
+        if self.tp.size > 1:  # auto: the parallel layers run full-precision weights only
+            return "none"  # (EngineArgs refuses the explicit modes with --tp > 1)
         if self.config.multimodal is not None:
             if requested == "auto":
                 return "none"
@@ -269,6 +302,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Float32 logits [batch, vocab] of each request's last new token."""
+        if self.tp_workers is not None:
+            from genserve.srt.tp_worker import forward_inputs
+
+            self.tp_workers.send(forward_inputs(fb))
         self.attn_backend.init_forward_metadata(fb)
         if (
             self._compiled_decode is not None

@@ -52,6 +52,9 @@ class EngineArgs:
     # Vision-language models: byte budget of the image-embedding LRU, images per request.
     image_cache_bytes: int = 512 * 1024 * 1024
     max_images_per_request: int = 16
+    # Tensor parallelism: ranks that split every layer's heads and columns (gloo on CPU, NCCL
+    # over one GPU per rank on CUDA).
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -98,5 +101,14 @@ class EngineArgs:
             raise ValueError(
                 f"max_images_per_request must be >= 1, got {self.max_images_per_request}"
             )
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.tp_size > 1 and self.quantization in ("int8wo", "int4wo"):
+            raise ValueError(
+                f"--quantization {self.quantization} is not supported with --tp > 1; "
+                "use --quantization none"
+            )
+        if self.tp_size > 1 and self.compile:
+            raise ValueError("--compile is not supported with --tp > 1 yet; drop one of them")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")

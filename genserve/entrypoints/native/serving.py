@@ -230,7 +230,7 @@ def model_info(state: GatewayState, model: str | None) -> dict[str, Any]:
 
 def _add_router_fields(info: dict[str, Any], name: str) -> None:
     """The fields of SGLang's replies that sglang-router reads when it registers a worker: the
-    model's id (served name) and the replica's parallel sizes (one process: 1 and 1)."""
+    model's id (served name) and the replica's parallel sizes (dp 1; tp from the runtime)."""
     info.setdefault("served_model_name", name)
     info.setdefault("model_path", name)
     info.setdefault("tokenizer_path", info["model_path"])
@@ -249,7 +249,7 @@ async def server_info(state: GatewayState, model: str | None) -> dict[str, Any]:
         "max_queued_requests": state.config.max_queued_requests,
     }
     info.update(await client.server_info())
-    for key in ("model_path", "tokenizer_path", "architecture"):
+    for key in ("model_path", "tokenizer_path", "architecture", "tp_size"):
         if key in client.model_info():
             info.setdefault(key, client.model_info()[key])
     _add_router_fields(info, client.model_name)

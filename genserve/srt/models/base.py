@@ -54,15 +54,33 @@ class Embedding(nn.Embedding):
 
 class MergedLinear(nn.Linear):
     """A linear layer whose output rows are several checkpoint tensors stacked along dim 0
-    (q/k/v -> qkv_proj, gate/up -> gate_up_proj), loaded shard by shard."""
+    (q/k/v -> qkv_proj, gate/up -> gate_up_proj), loaded shard by shard.
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
+    Under tensor parallelism it is column-parallel: `sources` names, per shard, the rows
+    (start, length) of the checkpoint tensor this rank keeps (its heads, its columns), and
+    `shard_sizes` are those lengths. None keeps whole tensors."""
+
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: dict[str, int],
+        bias: bool = False,
+        sources: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
         self.shard_offsets: dict[str, tuple[int, int]] = {}
+        self.sources = sources
         offset = 0
         for shard, size in shard_sizes.items():
             self.shard_offsets[shard] = (offset, size)
             offset += size
+
+    def checkpoint_slice(self, leaf: str, shard: Any) -> tuple[int, int, int] | None:
+        """(dim, start, length) of the checkpoint tensor this rank loads; None = all of it."""
+        if self.sources is None or shard is None:
+            return None
+        start, length = self.sources[shard]
+        return 0, start, length
 
     def shard_ids(self, param_name: str = "weight") -> list[Any]:
         return list(self.shard_offsets)
@@ -86,6 +104,9 @@ class CausalLM(nn.Module, ABC):
     )
     # Checkpoint tensors that are not parameters (recomputed buffers).
     ignored_weights: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+    # Whether the family builds its layers for a tensor-parallel group (a `tp` constructor
+    # argument); the runner refuses --tp > 1 for the others.
+    supports_tp: ClassVar[bool] = False
 
     config: ModelConfig
 
@@ -122,8 +143,11 @@ class CausalLM(nn.Module, ABC):
         """Copy HF-named tensors into the parameters (in their dtype and device)."""
         loader = self.weight_loader()
         for name, tensor in weights:
-            dst = loader.destination(name, tuple(tensor.shape))
-            if dst is not None:
+            target = loader.destination(name, tuple(tensor.shape))
+            if target is not None:
+                dst, part = target
+                if part is not None:
+                    tensor = tensor.narrow(*part)
                 with torch.no_grad():
                     dst.copy_(tensor)
         loader.finish()
@@ -138,8 +162,12 @@ class WeightLoader:
         self.modules = dict(model.named_modules())
         self.loaded: set[tuple[str, Any]] = set()
 
-    def destination(self, hf_name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-        """The tensor (a parameter or a view of one) that `hf_name` is copied into."""
+    def destination(
+        self, hf_name: str, shape: tuple[int, ...]
+    ) -> tuple[torch.Tensor, tuple[int, int, int] | None] | None:
+        """The tensor (a parameter or a view of one) that `hf_name` is copied into, and the
+        slice (dim, start, length) of the checkpoint tensor that goes there (a tensor-parallel
+        rank's share; None = the whole tensor)."""
         mapped = self.model.map_weight_name(hf_name)
         if mapped is None:
             return None
@@ -151,6 +179,12 @@ class WeightLoader:
         if shard is not None:
             owner = self.modules[name.rsplit(".", 1)[0]]
             dst = owner.shard_view(dst, shard)  # type: ignore[operator]
+        part = self._checkpoint_slice(name, shard)
+        if part is not None:
+            dim, _, length = part
+            shape = (*shape[:dim], length, *shape[dim + 1 :])
+            if dst.shape[dim] > length:  # vocabulary padding rows stay unwritten
+                dst = dst.narrow(dim, 0, length)
         if tuple(dst.shape) != tuple(shape):
             raise ValueError(
                 f"weight {hf_name}: checkpoint shape {tuple(shape)} != model {tuple(dst.shape)}"
@@ -165,7 +199,13 @@ class WeightLoader:
         if any(k in self.loaded for k in keys):
             raise ValueError(f"weight {hf_name!r} appears twice in the checkpoint")
         self.loaded.update(keys)
-        return dst
+        return dst, part
+
+    def _checkpoint_slice(self, name: str, shard: Any) -> tuple[int, int, int] | None:
+        module_name, _, leaf = name.rpartition(".")
+        owner = self.modules.get(module_name)
+        checkpoint_slice = getattr(owner, "checkpoint_slice", None)
+        return checkpoint_slice(leaf, shard) if checkpoint_slice is not None else None
 
     def expected(self) -> set[tuple[str, Any]]:
         keys: set[tuple[str, Any]] = set()

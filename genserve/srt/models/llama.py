@@ -13,22 +13,41 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genserve.srt.distributed import TPGroup
 from genserve.srt.forward_batch import ForwardBatch
 from genserve.srt.layers.attention.base import AttentionLayerInfo
 from genserve.srt.layers.layernorm import RMSNorm
+from genserve.srt.layers.parallel import (
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_split,
+    split_heads,
+)
 from genserve.srt.layers.rotary_embedding import RotaryEmbedding
 from genserve.srt.model_config import ModelConfig
-from genserve.srt.models.base import CausalLM, Embedding, MergedLinear, ModelKernels
+from genserve.srt.models.base import CausalLM, MergedLinear, ModelKernels
 
 _DEFAULT_KERNELS = ModelKernels()
+_SINGLE = TPGroup.single()
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+    """gate/up column-parallel, down row-parallel: each rank computes its share of the
+    intermediate columns."""
+
+    def __init__(
+        self, cfg: ModelConfig, intermediate_size: int | None = None, tp: TPGroup = _SINGLE
+    ) -> None:
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": inter, "up": inter})
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+        start, per = column_split(inter, tp)
+        self.gate_up_proj = MergedLinear(
+            cfg.hidden_size,
+            {"gate": per, "up": per},
+            sources={"gate": (start, per), "up": (start, per)} if tp.size > 1 else None,
+        )
+        self.down_proj = RowParallelLinear((start, per), cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -37,7 +56,8 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     """q/k/v projection (optionally biased), optional per-head q/k RMSNorm (Qwen3, Gemma 3),
-    rotary embedding, paged attention and the output projection."""
+    rotary embedding, paged attention and the output projection. Under tensor parallelism
+    each rank runs its share of the heads (`layers.parallel.q_heads` / `kv_heads`)."""
 
     def __init__(
         self,
@@ -51,18 +71,27 @@ class LlamaAttention(nn.Module):
         norm_unit_offset: bool = False,
         scaling: float | None = None,
         logit_softcap: float | None = None,
+        tp: TPGroup = _SINGLE,
     ) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        heads = split_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        self.head_dim = d = cfg.head_dim
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
         bias = cfg.attention_bias if qkv_bias is None else qkv_bias
+        sources = {
+            "q": (heads.q_start * d, self.q_size),
+            "k": (heads.kv_start * d, self.kv_size),
+            "v": (heads.kv_start * d, self.kv_size),
+        }
         self.qkv_proj = MergedLinear(
-            cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=bias
+            cfg.hidden_size,
+            {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+            bias=bias,
+            sources=sources if tp.size > 1 else None,
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear((heads.q_start * d, self.q_size), cfg.hidden_size, tp)
         use_qk_norm = cfg.qk_norm if qk_norm is None else qk_norm
         norm = (
             (lambda: RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels.norm, norm_unit_offset))
@@ -106,12 +135,13 @@ class LlamaDecoderLayer(nn.Module):
         kernels: ModelKernels = _DEFAULT_KERNELS,
         qkv_bias: bool | None = None,
         qk_norm: bool | None = None,
+        tp: TPGroup = _SINGLE,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(
-            cfg, layer_id, rotary, kernels=kernels, qkv_bias=qkv_bias, qk_norm=qk_norm
+            cfg, layer_id, rotary, kernels=kernels, qkv_bias=qkv_bias, qk_norm=qk_norm, tp=tp
         )
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp=tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.norm)
 
@@ -136,11 +166,15 @@ class LlamaForCausalLM(CausalLM):
     # Family defaults the subclasses change (None = what config.json says).
     qkv_bias: ClassVar[bool | None] = None
     qk_norm: ClassVar[bool | None] = None
+    supports_tp = True
 
-    def __init__(self, cfg: ModelConfig, kernels: ModelKernels = _DEFAULT_KERNELS) -> None:
+    def __init__(
+        self, cfg: ModelConfig, kernels: ModelKernels = _DEFAULT_KERNELS, tp: TPGroup = _SINGLE
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.kernels = kernels
+        self.tp = tp
         rotary = RotaryEmbedding(
             cfg.head_dim,
             cfg.max_position_embeddings,
@@ -149,12 +183,12 @@ class LlamaForCausalLM(CausalLM):
             kernel=kernels.rotary,
             rotary_dim=cfg.rotary_dim,
         )
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
             self.make_layer(i, rotary) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.norm)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         self.tie_weights()
 
     def make_layer(self, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
@@ -165,6 +199,7 @@ class LlamaForCausalLM(CausalLM):
             kernels=self.kernels,
             qkv_bias=self.qkv_bias,
             qk_norm=self.qk_norm,
+            tp=self.tp,
         )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

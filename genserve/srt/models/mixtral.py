@@ -59,6 +59,7 @@ class SparseMoeBlock(nn.Module):
 class MixtralForCausalLM(LlamaForCausalLM):
     # Mixtral always renormalises its top-k weights; the Qwen families read norm_topk_prob.
     renormalize: ClassVar[bool | None] = True
+    supports_tp = False  # experts are not split across ranks yet
 
     def make_layer(self, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
         layer = super().make_layer(layer_id, rotary)

@@ -64,6 +64,8 @@ class Olmo2DecoderLayer(nn.Module):
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
+    supports_tp = False  # its q/k RMSNorm spans every head, not one rank's share
+
     def make_layer(self, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
         return Olmo2DecoderLayer(self.config, layer_id, rotary, self.kernels)
 

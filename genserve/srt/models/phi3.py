@@ -9,3 +9,4 @@ from genserve.srt.models.llama import LlamaForCausalLM
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     stacked_params = ()  # the fused names are the checkpoint's own
+    supports_tp = False  # fused checkpoint tensors are not split by heads yet

@@ -53,6 +53,8 @@ class ImageSplicingLM(LlamaForCausalLM):
     """A Llama-family decoder whose prefill embeddings take the image embeddings at the image
     placeholders (`fb.image_embeds`), and whose rotary reads `fb.mrope_positions` when set."""
 
+    supports_tp = False
+
     def set_rotary(self, rotary: nn.Module) -> None:
         for layer in self.layers:
             layer.self_attn.rotary = rotary

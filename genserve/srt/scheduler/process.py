@@ -8,6 +8,7 @@ gateway restarts."""
 from __future__ import annotations
 
 import logging
+import os
 import traceback
 from multiprocessing.connection import Connection
 
@@ -35,7 +36,7 @@ def run_scheduler_process(args: EngineArgs, conn: Connection, log_level: str = "
     try:
         from genserve.srt.engine_core import build_runtime
 
-        runtime = build_runtime(args)
+        runtime = build_runtime(args, log_level, on_rank_death=_exit_on_rank_death)
     except Exception as exc:  # report load failures to the parent instead of dying silently
         conn.send(ControlResp("ready", 0, False, {"error": f"{type(exc).__name__}: {exc}"}))
         return
@@ -66,6 +67,7 @@ def run_scheduler_process(args: EngineArgs, conn: Connection, log_level: str = "
                     sched.abort(msg.rid)
                 elif isinstance(msg, ControlReq):
                     if msg.kind == "shutdown":
+                        runtime.shutdown()
                         conn.send(ControlResp("shutdown", msg.token, True))
                         return
                     conn.send(_control(sched, msg, integrity_error))
@@ -79,6 +81,15 @@ def run_scheduler_process(args: EngineArgs, conn: Connection, log_level: str = "
         except Exception:
             logger.error("scheduler crashed:\n%s", traceback.format_exc())
             raise
+
+
+def _exit_on_rank_death(reason: str) -> None:
+    """A tensor-parallel rank died: this process ends too (a collective waiting for the dead
+    rank may never return), so the gateway fails the in-flight requests with 503 and restarts
+    the whole group."""
+    logger.error("%s; the scheduler process exits", reason)
+    logging.shutdown()
+    os._exit(1)
 
 
 def _control(sched, msg: ControlReq, integrity_error: str | None) -> ControlResp:

@@ -1,0 +1,53 @@
+"""`genserve serve --tp 2` on CPU (gloo) with the embedded SmolLM2, through the official openai
+client: the same greedy text as one rank, `tp_size` reported to the router, and a killed rank
+turns the server to 503 instead of hanging it."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.needs import smollm2_folder
+from tests.serve_process import serve_subprocess
+
+pytestmark = pytest.mark.slow
+
+smollm2_folder(module_level=True)
+
+PROMPT = "The three primary colors are"
+FLAGS = ("--no-diffusion", "--tp", "2", "--device", "cpu", "--max-total-tokens", "2048")
+
+
+def test_serve_tp2_answers_like_one_rank_and_fails_503_when_a_rank_dies():
+    import openai
+
+    from genserve import Engine
+
+    with Engine(dtype="float32", max_total_tokens=1024) as engine:
+        want = engine.generate(PROMPT, {"max_new_tokens": 16, "temperature": 0})["text"]
+    with serve_subprocess(*FLAGS) as (proc, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        got = client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=16, temperature=0
+        )
+        assert got.choices[0].text == want
+        info = httpx.get(url + "/get_server_info", timeout=10).json()
+        assert info["tp_size"] == 2
+
+        # Rank 1 is the scheduler process's child (rank 0 is the scheduler process).
+        scheduler = psutil.Process(info["runtime"]["pid"])
+        worker = next(
+            p for p in scheduler.children() if "resource_tracker" not in " ".join(p.cmdline())
+        )
+        worker.kill()
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/health", timeout=10).status_code == 200:
+            assert time.monotonic() < deadline, "the server never noticed the dead rank"
+            time.sleep(0.2)
+        with pytest.raises(openai.APIStatusError) as err:
+            client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4)
+        assert err.value.status_code == 503
+        assert proc.poll() is None  # the gateway lives on and restarts the group

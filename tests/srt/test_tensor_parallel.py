@@ -1,0 +1,85 @@
+"""`--tp 2` on CPU (gloo): the same greedy tokens as Hugging Face on tiny GQA configs, including
+fewer KV heads than ranks and a vocabulary the ranks split unevenly; clear start-up errors for
+sizes and models tensor parallelism cannot split; a rank that dies fails the next forward
+instead of hanging it."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import transformers as tf
+
+from genserve import Engine
+from genserve.srt.layers.parallel import check_tp_size
+from genserve.srt.model_config import ModelConfig
+from genserve.srt.model_runner import check_tensor_parallel
+from genserve.srt.server_args import EngineArgs
+from tests.srt.hf_equality import TINY, assert_greedy_matches_hf, save_tiny
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def one_kv_head(tmp_path_factory):
+    """4 query heads, 1 KV head (replicated on both ranks), untied odd vocabulary (padded)."""
+    cfg = tf.LlamaConfig(
+        **{**TINY, "num_key_value_heads": 1, "vocab_size": 257}, tie_word_embeddings=False
+    )
+    return save_tiny(tf.LlamaForCausalLM, cfg, tmp_path_factory.mktemp("tp-kv1"))
+
+
+def test_tp2_matches_hf_with_fewer_kv_heads_than_ranks(one_kv_head):
+    assert_greedy_matches_hf(one_kv_head, tp_size=2)
+
+
+def test_tp2_matches_hf_with_uneven_kv_groups(tmp_path):
+    # 3 KV groups of 2 query heads on 2 ranks: 2 groups on rank 0, 1 on rank 1 (SmolLM2-135M
+    # splits its 9 query / 3 KV heads the same way).
+    # An odd intermediate size splits 50 + 51.
+    shape = {
+        "num_attention_heads": 6,
+        "num_key_value_heads": 3,
+        "hidden_size": 96,
+        "intermediate_size": 101,
+    }
+    cfg = tf.LlamaConfig(**{**TINY, **shape}, head_dim=16)
+    assert_greedy_matches_hf(save_tiny(tf.LlamaForCausalLM, cfg, tmp_path), tp_size=2)
+
+
+def test_tp2_matches_hf_qwen2_biases_tied_embeddings(tiny_model_factory):
+    # 4 query heads, 2 KV heads (one per rank), q/k/v biases, tied embeddings.
+    assert_greedy_matches_hf(tiny_model_factory("qwen2"), tp_size=2)
+
+
+def test_tp_sizes_that_do_not_split_the_heads_are_refused(one_kv_head):
+    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
+        Engine(str(one_kv_head), tp_size=3, dtype="float32", max_total_tokens=256)
+    with pytest.raises(ValueError, match="larger than the model's 4 attention heads"):
+        check_tp_size(4, 1, 8)
+    with pytest.raises(ValueError, match="not a multiple of the model's 2 KV heads"):
+        check_tp_size(12, 2, 3)
+    with pytest.raises(ValueError, match="tp_size must be >= 1"):
+        EngineArgs(tp_size=0)
+    with pytest.raises(ValueError, match="int8wo is not supported with --tp > 1"):
+        EngineArgs(tp_size=2, quantization="int8wo")
+
+
+def test_moe_models_are_refused(tmp_path):
+    tf.Qwen2MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="--tp is not supported for MoE models yet"):
+        check_tensor_parallel(ModelConfig.from_folder(tmp_path), 2)
+
+
+def test_a_dead_rank_fails_the_next_forward_without_a_hang(one_kv_head):
+    engine = Engine(str(one_kv_head), tp_size=2, dtype="float32", max_total_tokens=256)
+    try:
+        sampling = {"max_new_tokens": 4, "temperature": 0}
+        assert len(engine.generate(input_ids=[1, 5, 9], sampling_params=sampling)["output_ids"])
+        worker = psutil.Process(engine.runtime.tp_workers.pids()[0])
+        worker.kill()
+        worker.wait(30)
+        # gloo reports the lost peer (or the pipe to it is broken): an error, not a hang.
+        with pytest.raises((RuntimeError, OSError)):
+            engine.generate(input_ids=[1, 5, 9, 11], sampling_params=sampling)
+    finally:
+        engine.shutdown()
