@@ -21,6 +21,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -114,14 +115,16 @@ def measure(base: str, model: str, tokens: int, streams: int) -> dict:
 
 
 def run_server(cmd: list[str], health: str, env: dict | None = None) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
-    )
+    # The server's log goes to a file: a pipe nobody reads fills up and blocks the server
+    # (llama.cpp logs ~64 KB while loading).
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         wait_ready(health, proc)
     except Exception:
         proc.kill()
-        print(proc.stderr.read()[-3000:] if proc.stderr else "", file=sys.stderr)
+        log.seek(0)
+        print(log.read()[-3000:], file=sys.stderr)
         raise
     return proc
 
@@ -136,7 +139,9 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def bench_genserve(gguf: Path, mode: str, args) -> dict:
+    """`mode` is a --quantization value, optionally with "+compile" (e.g. auto+compile)."""
     port = free_port()
+    quantization, _, extra = mode.partition("+")
     cmd = [
         sys.executable,
         "-m",
@@ -146,8 +151,10 @@ def bench_genserve(gguf: Path, mode: str, args) -> dict:
         "--port",
         str(port),
         "--quantization",
-        mode,
+        quantization,
     ]
+    if extra == "compile":
+        cmd.append("--compile")
     if not args.embedded:
         cmd += ["--model-path", str(gguf)]
     proc = run_server(cmd, f"http://127.0.0.1:{port}/health")
@@ -189,7 +196,11 @@ def bench_llama_cpp(gguf: Path, args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gguf", default=None, help="default: the embedded SmolLM2 Q4_1 GGUF")
-    p.add_argument("--modes", default="auto,none", help="genserve --quantization modes to run")
+    p.add_argument(
+        "--modes",
+        default="auto,none,auto+compile",
+        help="genserve --quantization modes to run; MODE+compile adds --compile",
+    )
     p.add_argument("--tokens", type=int, default=64, help="max_tokens per request")
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
