@@ -48,3 +48,8 @@ def test_compile_without_a_cpp_compiler_is_a_clear_error(tiny_model_factory, mon
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(ValueError, match="--compile on CPU needs a C\\+\\+ compiler"):
         Engine(str(tiny_model_factory("llama")), dtype="float32", compile=True)
+
+
+def test_compile_with_tensor_parallel_is_refused():
+    with pytest.raises(ValueError, match="--compile is not supported with --tp > 1"):
+        Engine(compile=True, tp_size=2)
