@@ -27,7 +27,7 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default="auto", choices=("none", "int8wo", "int4wo", "auto"),
                    help="Weight-only quantization of the linear layers (torchao). auto "
                         "(default) keeps a GGUF's precision (Q8 -> int8wo, Q4/Q5 -> int4wo, or "
-                        "int8wo where int4 is measured slower) and leaves full-precision "
+                        "int8wo where int4 is not clearly faster) and leaves full-precision "
                         "checkpoints as they are.")
     g.add_argument("--compile", action="store_true", default=None,
                    help="torch.compile the batch-1 decode step (needs a C++ compiler on CPU). "
