@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import threading
 import time
 from typing import Any
 
 from genserve.bench.datasets import shared_prefix_dataset
+from genserve.bench.gateway_thread import GatewayThread
 from genserve.bench.serving import BenchConfig, run_benchmark, to_prompt
 
 
@@ -52,58 +52,22 @@ def _offline(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
             "output_throughput": tokens / duration}
 
 
-class _GatewayThread:
+def _gateway(args: argparse.Namespace) -> GatewayThread:
     """AsyncEngine + gateway + uvicorn on one event loop in a background thread."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.url = ""
-        self.error: BaseException | None = None
-        self._server: Any = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-
-    async def _main(self) -> None:
-        import uvicorn
-
+    async def build(runtimes: list[Any]) -> Any:
         from genserve.entrypoints.app import create_app
         from genserve.entrypoints.config import GatewayConfig
         from genserve.srt.engine import AsyncEngine
         from genserve.srt.server_args import EngineArgs
 
-        engine = None
-        try:
-            engine = AsyncEngine(EngineArgs(model_path=self.args.model_path,
-                                            dtype=self.args.dtype),
-                                 log_level=self.args.log_level)
-            self._server = uvicorn.Server(uvicorn.Config(
-                create_app(GatewayConfig(), [engine]), host="127.0.0.1", port=0,
-                log_level="warning", lifespan="off"))
-            self._server.install_signal_handlers = lambda: None
-            task = asyncio.create_task(self._server.serve())
-            while not self._server.started and not task.done():
-                await asyncio.sleep(0.02)
-            port = self._server.servers[0].sockets[0].getsockname()[1]
-            self.url = f"http://127.0.0.1:{port}"
-            self._ready.set()
-            await task
-        except BaseException as exc:
-            self.error = exc
-            self._ready.set()
-        finally:
-            if engine is not None:
-                await engine.shutdown()
+        engine = AsyncEngine(
+            EngineArgs(model_path=args.model_path, dtype=args.dtype), log_level=args.log_level
+        )
+        runtimes.append(engine)
+        return create_app(GatewayConfig(), [engine])
 
-    def __enter__(self) -> _GatewayThread:
-        self._thread.start()
-        self._ready.wait()
-        if self.error is not None:
-            raise RuntimeError(f"gateway failed to start: {self.error!r}")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
-        self._thread.join(60)
+    return GatewayThread(build)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -115,7 +79,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                                      args.question_len, args.output_len, seed=0)
     texts = [to_prompt(r).text for r in workload]
     offline = _offline(args, texts)
-    with _GatewayThread(args) as gateway:
+    with _gateway(args) as gateway:
         cfg = BenchConfig(backend="genserve", base_url=gateway.url, model=None, api_key=None,
                           request_rate=float("inf"), max_concurrency=args.max_concurrency,
                           warmup_requests=1, ignore_eos=True, extra={}, timeout=3600.0, seed=0)
