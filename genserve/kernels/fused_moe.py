@@ -5,6 +5,10 @@ BLOCK_M, so a program's BLOCK_M rows all use one expert's weights (`align_by_exp
 launches of `_moe_gemm_kernel` do gate/up (rows gathered from the tokens) and down (scaled by
 the routing weight); SiLU(gate) * up runs in torch between them and the k slots of a token are
 summed at the end.
+
+Expert parallelism: a rank holding a slice of the experts passes `w13` / `w2` of its slice and
+ids local to it; a pair routed to another rank's expert carries the id `experts` (one past its
+last) and adds nothing here: it is in no run, and its rows stay zero.
 """
 
 from __future__ import annotations
@@ -93,13 +97,14 @@ def align_by_expert(
     topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(pair ids sorted by expert, each expert's run padded to block_m with the id num_pairs;
-    the expert of each block of block_m ids). Pair p is token p // k, slot p % k."""
+    the expert of each block of block_m ids). Pair p is token p // k, slot p % k. Pairs whose
+    id is `num_experts` (another rank's expert) sort last and are left out."""
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts).tolist()
     runs, experts, start = [], [], 0
-    for e, n in enumerate(counts):
+    for e, n in enumerate(counts[:num_experts]):
         if n == 0:
             continue
         blocks = triton.cdiv(n, block_m)
@@ -109,6 +114,8 @@ def align_by_expert(
         experts.extend([e] * blocks)
         start += n
     block_expert = torch.tensor(experts, dtype=torch.int64, device=flat.device)
+    if not runs:
+        return torch.empty(0, dtype=torch.int64, device=flat.device), block_expert
     return torch.cat(runs), block_expert
 
 
@@ -158,7 +165,8 @@ def fused_moe(
     topk_ids: torch.Tensor,  # [tokens, k] int
 ) -> torch.Tensor:
     """sum_k topk_weights[:, k] * down(silu(gate(x)) * up(x)) over each token's experts,
-    [tokens, hidden] in x's dtype."""
+    [tokens, hidden] in x's dtype. An id equal to the expert count is skipped (an expert
+    another rank holds)."""
     check_tensor("x", x, 2, FLOAT_DTYPES)
     device = x.device
     check_launchable(device)
@@ -182,12 +190,17 @@ def fused_moe(
     if tokens == 0:
         return torch.empty_like(x)
     sorted_pairs, block_expert = align_by_expert(topk_ids, experts)
+    if block_expert.numel() == 0:  # every pair is another rank's
+        return torch.zeros_like(x)
     num_pairs = tokens * top_k
+    skipped = bool((topk_ids == experts).any())
     weights = topk_weights.reshape(-1).float().contiguous()
     gate_up = torch.empty((num_pairs, two_inter), dtype=x.dtype, device=device)
     _gemm(x, w13, gate_up, sorted_pairs, block_expert, weights, top_k, True)
     act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [pairs, inter]
-    down = torch.empty((num_pairs, hidden), dtype=x.dtype, device=device)
+    # The rows of skipped pairs are never written: they must read as zero in the sum.
+    alloc = torch.zeros if skipped else torch.empty
+    down = alloc((num_pairs, hidden), dtype=x.dtype, device=device)
     _gemm(act.contiguous(), w2, down, sorted_pairs, block_expert, weights, top_k, False)
     return down.view(tokens, top_k, hidden).sum(dim=1)
 

@@ -14,7 +14,7 @@ from genserve.srt.device import resolve_device, resolve_dtype
 from genserve.srt.distributed import TPGroup
 from genserve.srt.forward_batch import ForwardBatch, ForwardMode
 from genserve.srt.layers.attention.base import AttentionBackend
-from genserve.srt.layers.parallel import check_tp_size, split_heads
+from genserve.srt.layers.parallel import check_tp_experts, check_tp_size, split_heads
 from genserve.srt.layers.quantization import choose_quantization, quantize_model
 from genserve.srt.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from genserve.srt.model_config import ModelConfig
@@ -83,14 +83,14 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
     """ValueError when this model cannot run on `tp_size` tensor-parallel ranks."""
     if tp_size == 1:
         return
-    hf = config.hf
-    if hf.get("num_local_experts") or hf.get("num_experts"):
-        raise ValueError("--tp is not supported for MoE models yet")
     if config.multimodal is not None:
         raise ValueError("--tp is not supported for vision-language models yet")
     if not getattr(get_model_class(config.architecture), "supports_tp", False):
         raise ValueError(f"--tp is not supported for {config.architecture} yet")
     check_tp_size(config.num_attention_heads, config.num_key_value_heads, tp_size)
+    experts = config.hf.get("num_local_experts") or config.hf.get("num_experts")
+    if experts:
+        check_tp_experts(experts, tp_size)
 
 
 def create_attention_backend(name: str, runner: ModelRunner) -> AttentionBackend:

@@ -8,7 +8,7 @@ import torch
 import transformers as tf
 
 from genserve.kernels.fused_moe import align_by_expert, fused_moe, fused_moe_ref
-from genserve.srt.layers.moe import grouped_experts_ref, select_experts
+from genserve.srt.layers.moe import FusedMoE, grouped_experts_ref, select_experts
 from tests.srt.hf_equality import TINY, assert_greedy_matches_hf, save_tiny
 
 
@@ -47,6 +47,31 @@ def test_align_by_expert_pads_each_run_to_whole_blocks():
     pairs, block_expert = align_by_expert(ids, 4, block_m=4)
     assert block_expert.tolist() == [0, 1, 2]
     assert pairs.tolist() == [1, 4, 6, 6, 3, 6, 6, 6, 0, 2, 5, 6]
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_expert_slices_sum_to_the_whole_layer(kernel):
+    # Expert parallel: 5 experts held 2 + 3 by two ranks (and 1 + 4, so that some tokens have
+    # no expert on a rank); the ranks' partial outputs sum to the layer with every expert.
+    tokens, experts, hidden, inter = 9, 5, 32, 16
+    x, w13, w2, _, _ = _inputs(tokens, experts, 2, hidden, inter, torch.float32)
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(1))
+    whole = FusedMoE(experts, 2, hidden, inter, renormalize=True, kernel=kernel)
+    whole.load_state_dict({"w13": w13, "w2": w2})
+    want = whole(x, logits)
+    for split in (2, 1):
+        out = torch.zeros_like(x)
+        for start, count in ((0, split), (split, experts - split)):
+            part = FusedMoE(experts, 2, hidden, inter, True, kernel, experts=(start, count))
+            part.load_state_dict(
+                {"w13": w13[start : start + count], "w2": w2[start : start + count]}
+            )
+            out += part(x, logits)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    # A rank none of whose experts any token picked adds zeros.
+    ids = torch.zeros(3, 1, dtype=torch.int64) + experts
+    got = fused_moe(x[:3], w13, w2, torch.ones(3, 1), ids)
+    assert torch.equal(got, torch.zeros_like(x[:3]))
 
 
 def test_fused_moe_rejects_mismatched_shapes():

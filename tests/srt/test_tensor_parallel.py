@@ -1,18 +1,24 @@
 """`--tp 2` on CPU (gloo): the same greedy tokens as Hugging Face on tiny GQA configs, including
-fewer KV heads than ranks and a vocabulary the ranks split unevenly; clear start-up errors for
-sizes and models tensor parallelism cannot split; a rank that dies fails the next forward
-instead of hanging it."""
+fewer KV heads than ranks and a vocabulary the ranks split unevenly, and on every MoE family
+(experts split across the ranks, evenly and not); clear start-up errors for sizes and models
+tensor parallelism cannot split; a rank that dies fails the next forward instead of hanging
+it."""
 
 from __future__ import annotations
 
 import psutil
 import pytest
+import torch
 import transformers as tf
 
 from genserve import Engine
+from genserve.srt.distributed import TPGroup
 from genserve.srt.layers.parallel import check_tp_size
 from genserve.srt.model_config import ModelConfig
+from genserve.srt.model_loader import load_checkpoint, load_state_dict
 from genserve.srt.model_runner import check_tensor_parallel
+from genserve.srt.models.base import ModelKernels
+from genserve.srt.models.mixtral import MixtralForCausalLM
 from genserve.srt.server_args import EngineArgs
 from tests.srt.hf_equality import TINY, assert_greedy_matches_hf, save_tiny
 
@@ -64,10 +70,68 @@ def test_tp_sizes_that_do_not_split_the_heads_are_refused(one_kv_head):
         EngineArgs(tp_size=2, quantization="int8wo")
 
 
-def test_moe_models_are_refused(tmp_path):
-    tf.Qwen2MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="--tp is not supported for MoE models yet"):
-        check_tensor_parallel(ModelConfig.from_folder(tmp_path), 2)
+MOE = dict(num_experts_per_tok=2, tie_word_embeddings=False)
+
+
+def test_tp2_matches_hf_mixtral_with_experts_split_unevenly(tmp_path):
+    # 3 experts, top-2: rank 0 holds expert 0, rank 1 experts 1 and 2.
+    cfg = tf.MixtralConfig(**TINY, **MOE, num_local_experts=3)
+    assert_greedy_matches_hf(save_tiny(tf.MixtralForCausalLM, cfg, tmp_path), tp_size=2)
+
+
+def test_tp2_matches_hf_qwen2_moe_with_shared_expert_and_a_dense_layer(tmp_path):
+    # 5 experts split 2 + 3, unnormalised top-2; the shared expert's 47 intermediate columns
+    # split 23 + 24 and its partial sum joins the experts' in one all-reduce; layer 1 is dense.
+    cfg = tf.Qwen2MoeConfig(
+        **TINY,
+        **MOE,
+        num_experts=5,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=47,
+        mlp_only_layers=[1],
+    )
+    assert_greedy_matches_hf(save_tiny(tf.Qwen2MoeForCausalLM, cfg, tmp_path), tp_size=2)
+
+
+def test_tp2_matches_hf_qwen3_moe(tmp_path):
+    # 4 experts split 2 + 2, renormalised top-2, per-head q/k norms.
+    cfg = tf.Qwen3MoeConfig(
+        **TINY, **MOE, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16
+    )
+    assert_greedy_matches_hf(save_tiny(tf.Qwen3MoeForCausalLM, cfg, tmp_path), tp_size=2)
+
+
+def test_each_rank_loads_only_its_experts(tmp_path):
+    cfg = tf.MixtralConfig(**TINY, **MOE, num_local_experts=3)
+    path = save_tiny(tf.MixtralForCausalLM, cfg, tmp_path)
+    config = ModelConfig.from_folder(path)
+    state = load_state_dict(path)
+    for rank, experts in ((0, [0]), (1, [1, 2])):
+        # A group with no process group behind it: only the layout is under test here.
+        model = MixtralForCausalLM(config, ModelKernels(), TPGroup(rank, 2, None))
+        load_checkpoint(model, path)
+        for i in range(cfg.num_hidden_layers):
+            moe = model.layers[i].mlp
+            assert moe.experts.w13.shape[0] == moe.experts.w2.shape[0] == len(experts)
+            assert torch.equal(
+                moe.gate.weight, state[f"model.layers.{i}.block_sparse_moe.gate.weight"]
+            )
+            for local, e in enumerate(experts):
+                name = f"model.layers.{i}.block_sparse_moe.experts.{e}"
+                assert torch.equal(moe.experts.w2[local], state[f"{name}.w2.weight"])
+                assert torch.equal(
+                    moe.experts.w13[local],
+                    torch.cat([state[f"{name}.w1.weight"], state[f"{name}.w3.weight"]]),
+                )
+
+
+def test_more_ranks_than_experts_are_refused(tmp_path):
+    # 4 heads / 2 KV heads split on 4 ranks, but 2 experts do not.
+    tf.MixtralConfig(**TINY, **MOE, num_local_experts=2).save_pretrained(tmp_path)
+    config = ModelConfig.from_folder(tmp_path)
+    check_tensor_parallel(config, 2)
+    with pytest.raises(ValueError, match="--tp 4 is larger than the model's 2 experts"):
+        check_tensor_parallel(config, 4)
 
 
 def test_a_dead_rank_fails_the_next_forward_without_a_hang(one_kv_head):

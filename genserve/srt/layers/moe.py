@@ -4,6 +4,12 @@ Experts are stored stacked: `w13` [experts, 2 * inter, hidden] (gate rows, then 
 `w2` [experts, hidden, inter], each checkpoint tensor loaded into its slice. The torch path
 gathers each expert's tokens and runs them as one matmul per expert (the CPU path and the
 reference); `kernel="triton"` runs `genserve.kernels.fused_moe` over all experts at once.
+
+Under tensor parallelism the experts are split across the ranks (expert parallel): a rank holds
+the contiguous slice `experts = (start, count)` of them, routes every token over all of them
+(the router is replicated), and computes only the (token, expert) pairs of its slice; the
+caller all-reduces the partial outputs. Both paths skip a pair whose local id is `count`
+(another rank's expert).
 """
 
 from __future__ import annotations
@@ -33,11 +39,13 @@ def grouped_experts_ref(
     topk_weights: torch.Tensor,  # [tokens, k]
     topk_ids: torch.Tensor,  # [tokens, k]
 ) -> torch.Tensor:
-    """sum_k weight_k * down(silu(gate(x)) * up(x)) of expert ids_k, expert by expert."""
+    """sum_k weight_k * down(silu(gate(x)) * up(x)) of expert ids_k, expert by expert; an id
+    equal to the expert count (another rank's expert) adds nothing."""
     out = torch.zeros_like(x)
     weights = topk_weights.to(x.dtype)
+    experts = w13.shape[0]
     # [experts, k, tokens]: which (token, slot) pairs each expert serves.
-    hits = F.one_hot(topk_ids, w13.shape[0]).permute(2, 1, 0)
+    hits = F.one_hot(topk_ids, experts + 1)[..., :experts].permute(2, 1, 0)
     for e in torch.nonzero(hits.sum(dim=(1, 2))).flatten().tolist():
         slot, token = torch.where(hits[e])
         gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
@@ -55,21 +63,28 @@ class FusedMoE(nn.Module):
         intermediate_size: int,
         renormalize: bool,
         kernel: str = "torch",
+        experts: tuple[int, int] | None = None,
     ) -> None:
+        """experts: (start, count) of the experts this rank holds (None: all of them)."""
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
         if kernel not in ("torch", "triton"):
             raise ValueError(f"moe kernel must be torch or triton, got {kernel!r}")
+        start, count = experts or (0, num_experts)
+        if not (0 <= start and 0 < count and start + count <= num_experts):
+            raise ValueError(f"expert slice {experts} is not within {num_experts} experts")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.expert_start, self.local_experts = start, count
         self.inter = intermediate_size
         self.kernel = kernel
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13 = nn.Parameter(torch.empty(count, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(count, hidden_size, intermediate_size))
 
     def shard_ids(self, param_name: str) -> list[Any]:
+        """(local expert, part) of every checkpoint tensor this rank loads."""
         parts = ("gate", "up") if param_name == "w13" else ("down",)
-        return [(e, p) for e in range(self.num_experts) for p in parts]
+        return [(e, p) for e in range(self.local_experts) for p in parts]
 
     def shard_view(self, param: torch.Tensor, shard: tuple[int, str]) -> torch.Tensor:
         expert, part = shard
@@ -78,7 +93,13 @@ class FusedMoE(nn.Module):
         return param[expert].narrow(0, 0 if part == "gate" else self.inter, self.inter)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, hidden]; router_logits: [tokens, num_experts] (every expert). Returns
+        the sum over this rank's experts only."""
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if self.local_experts != self.num_experts:
+            ids = ids - self.expert_start
+            elsewhere = (ids < 0) | (ids >= self.local_experts)
+            ids = ids.masked_fill(elsewhere, self.local_experts)
         if self.kernel == "triton":
             from genserve.kernels.fused_moe import fused_moe
 

@@ -7,7 +7,11 @@ group of size 1 each layer is its plain counterpart.
 
 - Column-parallel (q/k/v, gate/up: `MergedLinear` with `sources`): output rows split, no
   communication; the activations stay split until the row-parallel layer after them.
-- `RowParallelLinear` (o_proj, down_proj): input columns split, partial sums all-reduced.
+- `RowParallelLinear` (o_proj, down_proj): input columns split, partial sums all-reduced
+  (or left partial, `reduce=False`, for a caller that adds more partial sums before one
+  all-reduce: the MoE block's shared expert).
+- MoE experts (`layers.moe.FusedMoE`): each rank holds a contiguous slice of the experts
+  (`column_split` of the expert count) and the partial outputs are all-reduced by the block.
 - `VocabParallelEmbedding`: each rank looks up the ids in its vocabulary range, the others
   contribute zeros to the all-reduce.
 - `ParallelLMHead`: each rank computes the logits of its vocabulary range, all-gathered so that
@@ -45,6 +49,15 @@ def check_tp_size(num_heads: int, num_kv_heads: int, tp: int) -> None:
         )
 
 
+def check_tp_experts(num_experts: int, tp: int) -> None:
+    """ValueError when `tp` ranks cannot each hold at least one of the model's experts."""
+    if tp > num_experts:
+        raise ValueError(
+            f"--tp {tp} is larger than the model's {num_experts} experts (each rank holds a "
+            "slice of the experts)"
+        )
+
+
 @dataclass(frozen=True)
 class HeadSplit:
     """The attention heads of one rank: query heads [q_start, q_start + num_heads) and the KV
@@ -79,7 +92,8 @@ def column_split(size: int, tp: TPGroup) -> tuple[int, int]:
 class RowParallelLinear(nn.Linear):
     """y = x W^T + b with W's input columns split across ranks: x arrives split the same way
     (the heads / columns this rank computed: `in_split`, (start, length) of the full input),
-    the partial products are summed over ranks and the bias (not split) is added once."""
+    the partial products are summed over ranks and the bias (not split) is added once.
+    `reduce=False` returns this rank's partial product (no bias allowed): the caller sums."""
 
     def __init__(
         self,
@@ -87,10 +101,14 @@ class RowParallelLinear(nn.Linear):
         out_features: int,
         tp: TPGroup,
         bias: bool = False,
+        reduce: bool = True,
     ) -> None:
+        if bias and not reduce:
+            raise ValueError("a row-parallel layer that leaves its sum partial has no bias")
         super().__init__(in_split[1], out_features, bias=bias)
         self.in_start = in_split[0]
         self.tp = tp
+        self.reduce = reduce
 
     def checkpoint_slice(self, leaf: str, shard: object) -> Slice | None:
         if leaf != "weight" or self.tp.size == 1:
@@ -100,7 +118,10 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        if not self.reduce:
+            return y
+        y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
 

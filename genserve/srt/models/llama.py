@@ -34,10 +34,14 @@ _SINGLE = TPGroup.single()
 
 class LlamaMLP(nn.Module):
     """gate/up column-parallel, down row-parallel: each rank computes its share of the
-    intermediate columns."""
+    intermediate columns (`reduce=False`: returns the rank's partial sum, not all-reduced)."""
 
     def __init__(
-        self, cfg: ModelConfig, intermediate_size: int | None = None, tp: TPGroup = _SINGLE
+        self,
+        cfg: ModelConfig,
+        intermediate_size: int | None = None,
+        tp: TPGroup = _SINGLE,
+        reduce: bool = True,
     ) -> None:
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size
@@ -47,7 +51,7 @@ class LlamaMLP(nn.Module):
             {"gate": per, "up": per},
             sources={"gate": (start, per), "up": (start, per)} if tp.size > 1 else None,
         )
-        self.down_proj = RowParallelLinear((start, per), cfg.hidden_size, tp)
+        self.down_proj = RowParallelLinear((start, per), cfg.hidden_size, tp, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
