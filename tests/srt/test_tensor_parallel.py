@@ -79,6 +79,13 @@ def test_tp2_matches_hf_mixtral_with_experts_split_unevenly(tmp_path):
     assert_greedy_matches_hf(save_tiny(tf.MixtralForCausalLM, cfg, tmp_path), tp_size=2)
 
 
+def test_tp2_matches_hf_mixtral_with_the_triton_moe_kernel(tmp_path):
+    # The kernel CUDA runs by default (here under Triton's interpreter), on 2 + 3 experts.
+    cfg = tf.MixtralConfig(**TINY, **MOE, num_local_experts=5)
+    path = save_tiny(tf.MixtralForCausalLM, cfg, tmp_path)
+    assert_greedy_matches_hf(path, tp_size=2, moe_kernel="triton")
+
+
 def test_tp2_matches_hf_qwen2_moe_with_shared_expert_and_a_dense_layer(tmp_path):
     # 5 experts split 2 + 3, unnormalised top-2; the shared expert's 47 intermediate columns
     # split 23 + 24 and its partial sum joins the experts' in one all-reduce; layer 1 is dense.
