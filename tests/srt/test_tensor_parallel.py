@@ -70,6 +70,38 @@ def test_tp_sizes_that_do_not_split_the_heads_are_refused(one_kv_head):
         EngineArgs(tp_size=2, quantization="int8wo")
 
 
+def test_tp2_matches_hf_gemma2_soft_caps_odd_vocabulary(tmp_path):
+    # Soft-capped attention and final logits (capped after the vocabulary gather), an 8-token
+    # window in layer 0, a scaled embedding split 129 + 128 rows, GELU MLP of odd width.
+    cfg = tf.Gemma2Config(
+        **{**TINY, "vocab_size": 257, "intermediate_size": 99},
+        head_dim=16,
+        tie_word_embeddings=False,
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=1.0,
+        final_logit_softcapping=3.0,
+    )
+    assert_greedy_matches_hf(save_tiny(tf.Gemma2ForCausalLM, cfg, tmp_path), tp_size=2)
+
+
+def test_tp2_matches_hf_gemma3_text_with_one_kv_head(tmp_path):
+    # Per-head q/k norms with (1 + w); 1 KV head replicated on both ranks; two rotary tables.
+    cfg = tf.Gemma3TextConfig(
+        **{**TINY, "num_key_value_heads": 1},
+        head_dim=16,
+        tie_word_embeddings=False,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        },
+    )
+    assert_greedy_matches_hf(save_tiny(tf.Gemma3ForCausalLM, cfg, tmp_path), tp_size=2)
+
+
 MOE = dict(num_experts_per_tok=2, tie_word_embeddings=False)
 
 
@@ -139,6 +171,12 @@ def test_more_ranks_than_experts_are_refused(tmp_path):
     check_tensor_parallel(config, 2)
     with pytest.raises(ValueError, match="--tp 4 is larger than the model's 2 experts"):
         check_tensor_parallel(config, 4)
+
+
+def test_families_that_are_not_split_yet_are_refused(tmp_path):
+    tf.Phi3Config(**TINY).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="--tp is not supported for Phi3ForCausalLM yet"):
+        check_tensor_parallel(ModelConfig.from_folder(tmp_path), 2)
 
 
 def test_a_dead_rank_fails_the_next_forward_without_a_hang(one_kv_head):

@@ -6,6 +6,9 @@
 - softmax scale query_pre_attn_scalar ** -0.5 and attention logits soft-capped
   (cap * tanh(scores / cap)), sliding-window attention in the layers `layer_types` marks;
 - final logits soft-capped too.
+
+Tensor parallel as the Llama family: heads, MLP columns and the vocabulary split across ranks
+(the embedding scale and the final soft-cap apply to the reduced / gathered values).
 """
 
 from __future__ import annotations
@@ -16,20 +19,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genserve.srt.distributed import TPGroup
 from genserve.srt.forward_batch import ForwardBatch
 from genserve.srt.layers.layernorm import RMSNorm
+from genserve.srt.layers.parallel import ParallelLMHead, VocabParallelEmbedding
 from genserve.srt.layers.rotary_embedding import RotaryEmbedding
 from genserve.srt.model_config import ModelConfig
-from genserve.srt.models.base import CausalLM, Embedding, MergedLinear, ModelKernels
-from genserve.srt.models.llama import LlamaAttention
+from genserve.srt.models.base import CausalLM, ModelKernels
+from genserve.srt.models.llama import LlamaAttention, LlamaMLP
+
+_SINGLE = TPGroup.single()
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        inter = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": inter, "up": inter})
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+class GemmaMLP(LlamaMLP):
+    """Llama's gated MLP (and its tensor-parallel split) with a tanh-approximated GELU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -44,6 +47,7 @@ class Gemma2DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         kernels: ModelKernels,
         qk_norm: bool,
+        tp: TPGroup = _SINGLE,
     ) -> None:
         super().__init__()
         hf = cfg.hf
@@ -56,8 +60,9 @@ class Gemma2DecoderLayer(nn.Module):
             norm_unit_offset=True,
             scaling=float(hf.get("query_pre_attn_scalar") or cfg.head_dim) ** -0.5,
             logit_softcap=hf.get("attn_logit_softcapping"),
+            tp=tp,
         )
-        self.mlp = GemmaMLP(cfg)
+        self.mlp = GemmaMLP(cfg, tp=tp)
 
         def norm() -> RMSNorm:
             return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.norm, unit_offset=True)
@@ -86,11 +91,14 @@ class Gemma2DecoderLayer(nn.Module):
 
 class Gemma2ForCausalLM(CausalLM):
     qk_norm: ClassVar[bool] = False
+    supports_tp = True
 
-    def __init__(self, cfg: ModelConfig, kernels: ModelKernels = ModelKernels()) -> None:
+    def __init__(
+        self, cfg: ModelConfig, kernels: ModelKernels = ModelKernels(), tp: TPGroup = _SINGLE
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         rotaries: dict[str, RotaryEmbedding] = {}
         layers = []
         for i in range(cfg.num_hidden_layers):
@@ -105,10 +113,10 @@ class Gemma2ForCausalLM(CausalLM):
                     kernel=kernels.rotary,
                     rotary_dim=cfg.rotary_dim,
                 )
-            layers.append(Gemma2DecoderLayer(cfg, i, rotaries[kind], kernels, self.qk_norm))
+            layers.append(Gemma2DecoderLayer(cfg, i, rotaries[kind], kernels, self.qk_norm, tp))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.norm, unit_offset=True)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         self.final_softcap = cfg.hf.get("final_logit_softcapping")
         self.tie_weights()
 
