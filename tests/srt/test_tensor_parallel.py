@@ -1,8 +1,8 @@
 """`--tp 2` on CPU (gloo): the same greedy tokens as Hugging Face on tiny GQA configs, including
-fewer KV heads than ranks and a vocabulary the ranks split unevenly, and on every MoE family
-(experts split across the ranks, evenly and not); clear start-up errors for sizes and models
-tensor parallelism cannot split; a rank that dies fails the next forward instead of hanging
-it."""
+fewer KV heads than ranks and a vocabulary the ranks split unevenly, on Gemma 2 / 3 and
+OLMo 2, and on every MoE family (experts split across the ranks, evenly and not); clear
+start-up errors for sizes and models tensor parallelism cannot split; a rank that dies fails
+the next forward instead of hanging it."""
 
 from __future__ import annotations
 
@@ -102,6 +102,14 @@ def test_tp2_matches_hf_gemma3_text_with_one_kv_head(tmp_path):
     assert_greedy_matches_hf(save_tiny(tf.Gemma3ForCausalLM, cfg, tmp_path), tp_size=2)
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_tp2_matches_hf_olmo2_norms_over_every_head(tmp_path, kv_heads):
+    # The q and k RMSNorms span all heads: their mean squares are summed over both ranks (the
+    # one KV head replicated on both ranks counted once).
+    cfg = tf.Olmo2Config(**{**TINY, "num_key_value_heads": kv_heads}, tie_word_embeddings=False)
+    assert_greedy_matches_hf(save_tiny(tf.Olmo2ForCausalLM, cfg, tmp_path), tp_size=2)
+
+
 MOE = dict(num_experts_per_tok=2, tie_word_embeddings=False)
 
 
@@ -173,7 +181,7 @@ def test_more_ranks_than_experts_are_refused(tmp_path):
         check_tensor_parallel(config, 4)
 
 
-def test_families_that_are_not_split_yet_are_refused(tmp_path):
+def test_phi3_is_refused(tmp_path):
     tf.Phi3Config(**TINY).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="--tp is not supported for Phi3ForCausalLM yet"):
         check_tensor_parallel(ModelConfig.from_folder(tmp_path), 2)
