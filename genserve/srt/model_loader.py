@@ -376,6 +376,8 @@ def load_checkpoint(model: CausalLM, folder: Path) -> None:
     size. Plain reads (not mmap) keep the file out of this process's resident memory, so the
     peak is the model plus the largest tensor.
     """
+    from genserve.srt.models.base import take_part
+
     loader = model.weight_loader()
     for path in safetensors_files(folder):
         entries = read_safetensors_header(path)
@@ -395,7 +397,7 @@ def load_checkpoint(model: CausalLM, folder: Path) -> None:
                     else:  # a tensor-parallel rank reads the whole tensor, keeps its slice
                         tmp = torch.empty(e.shape, dtype=e.dtype)
                         _read_exact(f, e.start, tmp)
-                        dst.copy_(tmp.narrow(*part) if part is not None else tmp)
+                        dst.copy_(take_part(tmp, part))
                         del tmp
     loader.finish()
 

@@ -110,6 +110,18 @@ def test_tp2_matches_hf_olmo2_norms_over_every_head(tmp_path, kv_heads):
     assert_greedy_matches_hf(save_tiny(tf.Olmo2ForCausalLM, cfg, tmp_path), tp_size=2)
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_tp2_matches_hf_phi3_fused_checkpoint_tensors(tmp_path, kv_heads):
+    # The checkpoint stores qkv_proj and gate_up_proj fused: each rank takes its rows of q, k
+    # and v (the one KV head on both ranks) and of gate and up (101 columns: 50 + 51).
+    cfg = tf.Phi3Config(
+        **{**TINY, "num_key_value_heads": kv_heads, "intermediate_size": 101},
+        tie_word_embeddings=False,
+        partial_rotary_factor=0.75,
+    )
+    assert_greedy_matches_hf(save_tiny(tf.Phi3ForCausalLM, cfg, tmp_path), tp_size=2)
+
+
 MOE = dict(num_experts_per_tok=2, tie_word_embeddings=False)
 
 
@@ -181,9 +193,10 @@ def test_more_ranks_than_experts_are_refused(tmp_path):
         check_tensor_parallel(config, 4)
 
 
-def test_phi3_is_refused(tmp_path):
-    tf.Phi3Config(**TINY).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="--tp is not supported for Phi3ForCausalLM yet"):
+def test_vision_language_models_are_refused(tmp_path):
+    cfg = tf.Qwen2VLConfig(text_config={**TINY}, vision_config={"depth": 1})
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="--tp is not supported for vision-language models"):
         check_tensor_parallel(ModelConfig.from_folder(tmp_path), 2)
 
 

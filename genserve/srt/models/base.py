@@ -25,6 +25,20 @@ from genserve.srt.model_config import ModelConfig
 
 KERNELS = ("torch", "triton")
 
+# What a tensor-parallel rank keeps of a checkpoint tensor: one slice (dim, start, length), or
+# several along one dim, concatenated (its rows of q, of k and of v in a fused qkv tensor).
+Slice = tuple[int, int, int]
+Part = Slice | list[Slice]
+
+
+def take_part(tensor: torch.Tensor, part: Part | None) -> torch.Tensor:
+    """The rows of `tensor` that `part` names (all of it for None)."""
+    if part is None:
+        return tensor
+    if isinstance(part, list):
+        return torch.cat([tensor.narrow(*p) for p in part], dim=part[0][0])
+    return tensor.narrow(*part)
+
 
 @dataclass(frozen=True)
 class ModelKernels:
@@ -58,7 +72,9 @@ class MergedLinear(nn.Linear):
 
     Under tensor parallelism it is column-parallel: `sources` names, per shard, the rows
     (start, length) of the checkpoint tensor this rank keeps (its heads, its columns), and
-    `shard_sizes` are those lengths. None keeps whole tensors."""
+    `shard_sizes` are those lengths. None keeps whole tensors. `checkpoint_rows` (each shard's
+    full row count) locates the shards in a checkpoint that stores them already fused (Phi-3),
+    so that a rank takes its rows of each."""
 
     def __init__(
         self,
@@ -66,21 +82,33 @@ class MergedLinear(nn.Linear):
         shard_sizes: dict[str, int],
         bias: bool = False,
         sources: dict[str, tuple[int, int]] | None = None,
+        checkpoint_rows: dict[str, int] | None = None,
     ) -> None:
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         self.sources = sources
+        self.checkpoint_rows = checkpoint_rows
         offset = 0
         for shard, size in shard_sizes.items():
             self.shard_offsets[shard] = (offset, size)
             offset += size
 
-    def checkpoint_slice(self, leaf: str, shard: Any) -> tuple[int, int, int] | None:
-        """(dim, start, length) of the checkpoint tensor this rank loads; None = all of it."""
-        if self.sources is None or shard is None:
+    def checkpoint_slice(self, leaf: str, shard: Any) -> Part | None:
+        """(dim, start, length) of the checkpoint tensor this rank loads (for a fused tensor,
+        one per shard); None = all of it."""
+        if self.sources is None:
             return None
-        start, length = self.sources[shard]
-        return 0, start, length
+        if shard is not None:
+            start, length = self.sources[shard]
+            return 0, start, length
+        if self.checkpoint_rows is None:
+            return None
+        parts, offset = [], 0
+        for name, rows in self.checkpoint_rows.items():
+            start, length = self.sources[name]
+            parts.append((0, offset + start, length))
+            offset += rows
+        return parts
 
     def shard_ids(self, param_name: str = "weight") -> list[Any]:
         return list(self.shard_offsets)
@@ -146,10 +174,8 @@ class CausalLM(nn.Module, ABC):
             target = loader.destination(name, tuple(tensor.shape))
             if target is not None:
                 dst, part = target
-                if part is not None:
-                    tensor = tensor.narrow(*part)
                 with torch.no_grad():
-                    dst.copy_(tensor)
+                    dst.copy_(take_part(tensor, part))
         loader.finish()
 
 
@@ -164,10 +190,10 @@ class WeightLoader:
 
     def destination(
         self, hf_name: str, shape: tuple[int, ...]
-    ) -> tuple[torch.Tensor, tuple[int, int, int] | None] | None:
+    ) -> tuple[torch.Tensor, Part | None] | None:
         """The tensor (a parameter or a view of one) that `hf_name` is copied into, and the
-        slice (dim, start, length) of the checkpoint tensor that goes there (a tensor-parallel
-        rank's share; None = the whole tensor)."""
+        slice (dim, start, length) of the checkpoint tensor that goes there, or several
+        concatenated (a tensor-parallel rank's share; None = the whole tensor)."""
         mapped = self.model.map_weight_name(hf_name)
         if mapped is None:
             return None
@@ -181,7 +207,8 @@ class WeightLoader:
             dst = owner.shard_view(dst, shard)  # type: ignore[operator]
         part = self._checkpoint_slice(name, shard)
         if part is not None:
-            dim, _, length = part
+            slices = part if isinstance(part, list) else [part]
+            dim, length = slices[0][0], sum(p[2] for p in slices)
             shape = (*shape[:dim], length, *shape[dim + 1 :])
             if dst.shape[dim] > length:  # vocabulary padding rows stay unwritten
                 dst = dst.narrow(dim, 0, length)
@@ -201,7 +228,7 @@ class WeightLoader:
         self.loaded.update(keys)
         return dst, part
 
-    def _checkpoint_slice(self, name: str, shard: Any) -> tuple[int, int, int] | None:
+    def _checkpoint_slice(self, name: str, shard: Any) -> Part | None:
         module_name, _, leaf = name.rpartition(".")
         owner = self.modules.get(module_name)
         checkpoint_slice = getattr(owner, "checkpoint_slice", None)

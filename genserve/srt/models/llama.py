@@ -50,6 +50,7 @@ class LlamaMLP(nn.Module):
             cfg.hidden_size,
             {"gate": per, "up": per},
             sources={"gate": (start, per), "up": (start, per)} if tp.size > 1 else None,
+            checkpoint_rows={"gate": inter, "up": inter},
         )
         self.down_proj = RowParallelLinear((start, per), cfg.hidden_size, tp, reduce=reduce)
 
@@ -94,6 +95,11 @@ class LlamaAttention(nn.Module):
             {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
             bias=bias,
             sources=sources if tp.size > 1 else None,
+            checkpoint_rows={
+                "q": cfg.num_attention_heads * d,
+                "k": cfg.num_key_value_heads * d,
+                "v": cfg.num_key_value_heads * d,
+            },
         )
         self.o_proj = RowParallelLinear((heads.q_start * d, self.q_size), cfg.hidden_size, tp)
         use_qk_norm = cfg.qk_norm if qk_norm is None else qk_norm
