@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 from collections.abc import Iterator
@@ -98,18 +99,32 @@ def default_llm_paths(tp_size: int = 1) -> list[str | None]:
     return [None, "shapes-vl"] if tp_size == 1 else [None]
 
 
-async def _start_llms(args: argparse.Namespace) -> list[LLMEngineClient]:
+def llm_engine_args(args: argparse.Namespace, path: str | None) -> Any:
+    """`engine_args_from`, except that the vision-language demo model served beside the
+    embedded SmolLM2 by default keeps its own weights under an explicit --quantization
+    int8wo / int4wo (which serves text models) instead of failing the whole server."""
+    engine_args = engine_args_from(args, path)
+    if not args.model_path and path == "shapes-vl" and engine_args.quantization in (
+            "int8wo", "int4wo"):
+        logger.info("shapes-vl (the vision-language demo model) runs unquantized: "
+                    "--quantization %s applies to text models", engine_args.quantization)
+        engine_args = dataclasses.replace(engine_args, quantization="none")
+    return engine_args
+
+
+async def _start_llms(args: argparse.Namespace, clients: list[LLMEngineClient]) -> None:
+    """Start every LLM runtime, appending each to `clients` as soon as it runs: when a later
+    one fails to start, the caller still shuts down those already started (their processes
+    otherwise kept the failed server from exiting)."""
     AsyncEngine = import_async_engine()  # noqa: N806 (a class)
-    clients: list[LLMEngineClient] = []
     for path in args.model_path or default_llm_paths(getattr(args, "tp_size", None) or 1):
-        engine_args = engine_args_from(args, path)
+        engine_args = llm_engine_args(args, path)
         logger.info("loading LLM %s", path or "(embedded SmolLM2-135M-Instruct)")
         engine = AsyncEngine(engine_args)
         clients.append(engine)
         info = await engine.server_info()
         logger.info("LLM %r ready: context length %d, KV pool %s tokens", engine.model_name,
                     engine.context_length, info.get("max_total_tokens", "?"))
-    return clients
 
 
 async def _start_diffusion(args: argparse.Namespace) -> Any | None:
@@ -174,7 +189,7 @@ async def serve(args: argparse.Namespace, log_level: str) -> None:
     diffusion_client = None
     try:
         if want_llm:
-            llm_clients = await _start_llms(args)
+            await _start_llms(args, llm_clients)
         if want_diffusion:
             diffusion_client = await _start_diffusion(args)
         app = create_app(config, llm_clients, diffusion_client)

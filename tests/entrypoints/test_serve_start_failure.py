@@ -1,0 +1,44 @@
+"""`genserve serve` when one of several LLMs cannot start: a clear error and an exit, not a
+server left hanging on the runtimes that did start."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_later_llm_failing_to_start_exits_and_stops_the_earlier_one(tmp_path):
+    # shapes-vl starts; the empty folder after it is no model. The started runtime used to
+    # keep the failed server from exiting.
+    cmd = [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-diffusion",
+           "--port", str(_free_port()), "--model-path", "shapes-vl",
+           "--model-path", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "LLM runtime failed to start" in result.stderr
+    assert str(tmp_path) in result.stderr
+
+
+def test_explicit_quantization_leaves_the_demo_vl_model_unquantized():
+    from genserve.entrypoints.cli import build_parser
+    from genserve.entrypoints.serve import default_llm_paths, llm_engine_args
+
+    args = build_parser().parse_args(["serve", "--quantization", "int8wo"])
+    smollm2, demo_vl = default_llm_paths()
+    assert llm_engine_args(args, smollm2).quantization == "int8wo"
+    assert llm_engine_args(args, demo_vl).quantization == "none"
+    # A vision-language model the user names is theirs: its refusal stays a start-up error.
+    named = build_parser().parse_args(["serve", "--quantization", "int8wo",
+                                       "--model-path", "shapes-vl"])
+    assert llm_engine_args(named, "shapes-vl").quantization == "int8wo"
