@@ -24,12 +24,8 @@ the same `--work-dir` resumes from it.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import math
 import random
-import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +33,7 @@ import torch
 
 from genserve.demo_models import world
 from genserve.demo_models.models import KINDS, MODEL_NAMES, build_pipeline
+from genserve.demo_models.training import TrainingRun, parse_and_train, seed_and_work_dir
 
 FG_WEIGHT = 4.0
 PROMPT_DROPOUT = 0.1
@@ -62,42 +59,6 @@ def make_batch(kind: str, scenes: list[world.Scene], size: int, rng: random.Rand
     return x, prompts, m
 
 
-def _budget_frac(t_start: float, deadline: float, steps_done: int, steps: int | None) -> float:
-    frac = (time.time() - t_start) / max(deadline - t_start, 1e-9)
-    if steps is not None:
-        frac = max(frac, steps_done / max(steps, 1))
-    return frac
-
-
-class _StopFlag:
-    """Becomes true on SIGINT / SIGTERM so the loop ends at a step boundary and saves."""
-
-    def __init__(self) -> None:
-        self._stop = False
-        self._old = {sig: signal.signal(sig, self._set) for sig in (signal.SIGINT,
-                                                                    signal.SIGTERM)}
-
-    def _set(self, signum, frame) -> None:
-        print(f"\nsignal {signum}: stopping after this step", flush=True)
-        self._stop = True
-
-    def __bool__(self) -> bool:
-        return self._stop
-
-    def restore(self) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
-def _lr(step: int, base: float, warmup: int, decay_frac: float | None) -> float:
-    """Linear warm-up, then constant, or a cosine to zero over the run when `decay_frac` (the
-    fraction of the budget used so far) is given."""
-    lr = base * min(1.0, (step + 1) / warmup)
-    if decay_frac is not None:
-        lr *= 0.5 * (1.0 + math.cos(math.pi * min(decay_frac, 1.0)))
-    return lr
-
-
 def sample_sigmas(b: int, uniform_frac: float) -> torch.Tensor:
     """Noise levels: logit-normal (most weight mid-way), a `uniform_frac` share uniform (so the
     low-noise end, where edges are decided, is trained too)."""
@@ -107,57 +68,30 @@ def sample_sigmas(b: int, uniform_frac: float) -> torch.Tensor:
 
 
 def train(args: argparse.Namespace) -> Path:
-    torch.manual_seed(args.seed)
     kind = args.kind
-    work = Path(args.work_dir) / MODEL_NAMES[kind]
-    work.mkdir(parents=True, exist_ok=True)
-    ckpt_path = work / "checkpoint.pt"
+    work = seed_and_work_dir(args.seed, Path(args.work_dir) / MODEL_NAMES[kind])
     pipe = build_pipeline(kind)
     modules = torch.nn.ModuleDict({"text_encoder": pipe.text_encoder,
                                    "transformer": pipe.transformer})
-    ema = copy.deepcopy(modules).requires_grad_(False)
     opt = torch.optim.AdamW(modules.parameters(), lr=args.lr, weight_decay=0.0,
                             betas=(0.9, 0.99))
-    step = 0
-    rng = random.Random(args.seed)
-    if ckpt_path.exists() and not args.restart:
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        modules.load_state_dict(state["model"])
-        ema.load_state_dict(state["ema"])
-        opt.load_state_dict(state["opt"])
-        step = state["step"]
-        rng.setstate(state["rng"])
-        print(f"resumed {kind} from {ckpt_path} at step {step}")
+    run = TrainingRun(args, work, modules, opt)
+    if run.resume():
+        print(f"resumed {kind} from {run.path} at step {run.step}")
     elif args.init_from:
         _load_exported(pipe, args.init_from)
-        ema.load_state_dict(modules.state_dict())
+        run.ema.load_state_dict(modules.state_dict())
         print(f"starting {kind} from the exported weights in {args.init_from}")
-    nrng = np.random.default_rng(args.seed + step)
+    rng, nrng = run.rng, np.random.default_rng(args.seed + run.step)
     n_params = sum(p.numel() for p in modules.parameters())
     print(f"training {MODEL_NAMES[kind]}: {n_params / 1e6:.2f}M parameters, batch "
           f"{args.batch_size}, budget {args.minutes} min / {args.steps} steps")
     scenes = world.training_scenes(kind == "video")
 
-    def save() -> None:
-        tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"model": modules.state_dict(), "ema": ema.state_dict(),
-                    "opt": opt.state_dict(), "step": step, "rng": rng.getstate()}, tmp)
-        tmp.replace(ckpt_path)
-
-    from tqdm import tqdm
-
-    t_start = time.time()
-    t_ckpt = t_start
-    first_step = step
-    deadline = t_start + args.minutes * 60
-    # Without a step budget the bar counts steps and shows the rate; the budget is wall time.
-    bar = tqdm(total=args.steps, initial=step, desc=f"train {MODEL_NAMES[kind]}",
-               unit="step", dynamic_ncols=True)
+    run.begin(f"train {MODEL_NAMES[kind]}")
     loss_avg = None
     modules.train()
-    stop = _StopFlag()
-    while (not stop and (args.steps is None or step < args.steps)
-           and time.time() < deadline):
+    while run.going():
         x0, prompts, fg = make_batch(kind, scenes, args.batch_size, rng, nrng)
         b = x0.shape[0]
         sigma = sample_sigmas(b, args.uniform_sigma)
@@ -174,30 +108,17 @@ def train(args: argparse.Namespace) -> Path:
         else:
             err = pipe.predict(xt, sigma, emb, mask) - (noise - x0)
         loss = (weight * err**2).mean()
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, args.lr, args.warmup, _budget_frac(
-                t_start, deadline, step - first_step, args.steps) if args.cosine else None)
+        run.set_lr()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(modules.parameters(), 1.0)
         opt.step()
-        step += 1
-        decay = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for pe, pm in zip(ema.parameters(), modules.parameters()):
-                pe.lerp_(pm, 1.0 - decay)
         loss_avg = loss.item() if loss_avg is None else 0.98 * loss_avg + 0.02 * loss.item()
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss_avg:.4f}")
-        if time.time() - t_ckpt > args.checkpoint_minutes * 60:
-            save()
-            t_ckpt = time.time()
-    bar.close()
-    stop.restore()
-    save()
-    print(f"stopped at step {step} after {(time.time() - t_start) / 60:.1f} min; "
+        run.finish_step(loss=f"{loss_avg:.4f}")
+    run.end()
+    print(f"stopped at step {run.step} after {run.minutes:.1f} min; "
           f"loss {loss_avg if loss_avg is not None else float('nan'):.4f}")
-    return export(pipe, ema, Path(args.export) / MODEL_NAMES[kind], args.fp16)
+    return export(pipe, run.ema, Path(args.export) / MODEL_NAMES[kind], args.fp16)
 
 
 def _load_exported(pipe, folder: str) -> None:
@@ -262,13 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--export", default=str(WEIGHTS_DIR), help="folder for the diffusers export")
     p.add_argument("--no-fp16", dest="fp16", action="store_false",
                    help="export float32 weights instead of float16")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if not math.isfinite(args.minutes) or args.minutes <= 0:
-        p.error("--minutes must be positive")
-    train(args)
+    parse_and_train(p, argv, train)
 
 
 if __name__ == "__main__":

@@ -22,17 +22,14 @@ is written every `--checkpoint-minutes` and at the end, and a later run with the
 from __future__ import annotations
 
 import argparse
-import copy
 import math
-import random
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from genserve.demo_models import vl_data, world
-from genserve.demo_models.train import _budget_frac, _lr, _StopFlag
+from genserve.demo_models.training import TrainingRun, parse_and_train, seed_and_work_dir
 from genserve.demo_models.vl_model import (
     EOS_TOKEN,
     IMAGE_TOKEN,
@@ -141,29 +138,17 @@ class TowerTap:
 
 
 def train(args: argparse.Namespace) -> Path:
-    torch.manual_seed(args.seed)
-    work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    ckpt_path = work / "checkpoint.pt"
+    work = seed_and_work_dir(args.seed, Path(args.work_dir))
     tokenizer, proc = build_tokenizer(), build_image_processor()
     model = build_model(tokenizer)
-    ema = copy.deepcopy(model).requires_grad_(False)
     heads = AttributeHeads(model.config.vision_config.hidden_size)
     tap = TowerTap(model)
     params = list(model.parameters()) + list(heads.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
-    step = 0
-    rng = random.Random(args.seed)
-    if ckpt_path.exists() and not args.restart:
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        model.load_state_dict(state["model"])
-        ema.load_state_dict(state["ema"])
-        heads.load_state_dict(state["heads"])
-        opt.load_state_dict(state["opt"])
-        step = state["step"]
-        rng.setstate(state["rng"])
-        print(f"resumed shapes-vl from {ckpt_path} at step {step}")
-    nrng = np.random.default_rng(args.seed + step)
+    run = TrainingRun(args, work, model, opt, extra={"heads": heads})
+    if run.resume():
+        print(f"resumed shapes-vl from {run.path} at step {run.step}")
+    rng, nrng = run.rng, np.random.default_rng(args.seed + run.step)
     make = BatchMaker(tokenizer, proc)
     scenes = world.training_scenes(False)
     print(
@@ -171,77 +156,30 @@ def train(args: argparse.Namespace) -> Path:
         f"parameters, batch {args.batch_size}, budget {args.minutes} min / {args.steps} steps"
     )
 
-    def save() -> None:
-        tmp = ckpt_path.with_suffix(".tmp")
-        torch.save(
-            {
-                "model": model.state_dict(),
-                "ema": ema.state_dict(),
-                "heads": heads.state_dict(),
-                "opt": opt.state_dict(),
-                "step": step,
-                "rng": rng.getstate(),
-            },
-            tmp,
-        )
-        tmp.replace(ckpt_path)
-
-    from tqdm import tqdm
-
-    t_start = t_ckpt = time.time()
-    first_step = step
-    deadline = t_start + args.minutes * 60
-    bar = tqdm(
-        total=args.steps,
-        initial=step,
-        desc="train shapes-vl",
-        unit="step",
-        dynamic_ncols=True,
-        mininterval=5.0,
-    )
+    run.begin("train shapes-vl", mininterval=5.0)
     loss_avg = None
     model.train()
-    stop = _StopFlag()
-    while not stop and (args.steps is None or step < args.steps) and time.time() < deadline:
+    while run.going():
         samples = [vl_data.sample(scenes, rng, nrng) for _ in range(args.batch_size)]
         answer_loss = model(**make(samples)).loss
         aux_loss = heads.loss(tap.take(), heads.targets([s[3] for s in samples]))
         loss = answer_loss + args.aux_weight * aux_loss
-        for group in opt.param_groups:
-            group["lr"] = _lr(
-                step,
-                args.lr,
-                args.warmup,
-                _budget_frac(t_start, deadline, step - first_step, args.steps)
-                if args.cosine
-                else None,
-            )
+        run.set_lr()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        step += 1
-        decay = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for pe, pm in zip(ema.parameters(), model.parameters()):
-                pe.lerp_(pm, 1.0 - decay)
         losses = torch.stack([answer_loss.detach(), aux_loss.detach()])
         loss_avg = losses if loss_avg is None else 0.98 * loss_avg + 0.02 * losses
-        bar.update(1)
-        bar.set_postfix(answer=f"{loss_avg[0]:.4f}", attributes=f"{loss_avg[1]:.4f}")
-        if time.time() - t_ckpt > args.checkpoint_minutes * 60:
-            save()
-            t_ckpt = time.time()
-    bar.close()
-    stop.restore()
+        run.finish_step(answer=f"{loss_avg[0]:.4f}", attributes=f"{loss_avg[1]:.4f}")
     tap.handle.remove()
-    save()
+    run.end()
     answer_avg, aux_avg = loss_avg.tolist() if loss_avg is not None else (math.nan, math.nan)
     print(
-        f"stopped at step {step} after {(time.time() - t_start) / 60:.1f} min; "
+        f"stopped at step {run.step} after {run.minutes:.1f} min; "
         f"answer loss {answer_avg:.4f}, attribute loss {aux_avg:.4f}"
     )
-    return export(ema, tokenizer, proc, Path(args.export))
+    return export(run.ema, tokenizer, proc, Path(args.export))
 
 
 def export(model, tokenizer, image_processor, out: Path) -> Path:
@@ -281,13 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--restart", action="store_true", help="ignore an existing checkpoint")
     p.add_argument("--checkpoint-minutes", type=float, default=2.0)
     p.add_argument("--export", default=str(WEIGHTS_PATH), help="folder for the HF export")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if not math.isfinite(args.minutes) or args.minutes <= 0:
-        p.error("--minutes must be positive")
-    train(args)
+    parse_and_train(p, argv, train)
 
 
 if __name__ == "__main__":

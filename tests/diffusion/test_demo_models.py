@@ -212,7 +212,8 @@ def test_training_resumes_exports_and_fine_tunes(tmp_path, capsys):
     common = ["video", "--batch-size", "2", "--work-dir", str(work), "--export", str(out),
               "--minutes", "5"]
     train.main(common + ["--steps", "2"])
-    assert torch.load(work / "shapes-video" / "checkpoint.pt", weights_only=False)["step"] == 2
+    state = torch.load(work / "shapes-video" / "checkpoint.pt", weights_only=False)
+    assert list(state) == ["model", "ema", "opt", "step", "rng"] and state["step"] == 2
     train.main(common + ["--steps", "3"])
     assert "resumed video" in capsys.readouterr().out
     assert torch.load(work / "shapes-video" / "checkpoint.pt", weights_only=False)["step"] == 3

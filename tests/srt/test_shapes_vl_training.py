@@ -54,7 +54,8 @@ def test_training_resumes_and_exports_without_the_heads(tmp_path, capsys):
     vl_train.main(common + ["--steps", "3"])
     log = capsys.readouterr().out
     assert "at step 2" in log and "stopped at step 3" in log
-    assert torch.load(tmp_path / "work" / "checkpoint.pt", weights_only=False)["step"] == 3
+    state = torch.load(tmp_path / "work" / "checkpoint.pt", weights_only=False)
+    assert list(state) == ["model", "ema", "heads", "opt", "step", "rng"] and state["step"] == 3
     model = tf.LlavaForConditionalGeneration.from_pretrained(out)
     assert not [k for k in model.state_dict() if "heads" in k]
     proc = tf.AutoImageProcessor.from_pretrained(out)
