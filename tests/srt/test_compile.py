@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from genserve import Engine
 from tests.srt.test_engine import prompt
@@ -16,6 +17,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 10}
 def test_compiled_decode_gives_the_eager_tokens(tiny_model_factory):
     folder = str(tiny_model_factory("llama"))
     eager = Engine(folder, dtype="float32", max_total_tokens=2048)
+    torch._dynamo.utils.counters.clear()
     compiled = Engine(folder, dtype="float32", max_total_tokens=2048, compile=True)
     runner = compiled.runtime.runner
     assert runner._compiled_decode is not None
@@ -33,6 +35,8 @@ def test_compiled_decode_gives_the_eager_tokens(tiny_model_factory):
         got = compiled.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
         assert got == want
     assert calls["n"] == 3 * (GREEDY["max_new_tokens"] - 1)  # every decode step at batch 1
+    # One graph served every sequence length (the length is marked dynamic): no recompiles.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     # A batch of two decodes eagerly and still matches.
     calls["n"] = 0
     both = compiled.generate(input_ids=prompts[:2], sampling_params=GREEDY)

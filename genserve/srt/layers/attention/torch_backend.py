@@ -49,6 +49,10 @@ class TorchAttnBackend(AttentionBackend):
         self._full_valid: torch.Tensor | None = None  # [batch, max_len] bool
         self._seq_lens: torch.Tensor | None = None  # [batch]
         self._uniform = False  # every decode row has the same length
+        # Set by the runner under --compile: the decode index's length is marked dynamic, so
+        # the compiled decode step is traced once for every sequence length with every other
+        # size static (fewer symbols and guards than compiling everything dynamic).
+        self.dynamic_decode_len = False
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         req_to_token = fb.req_to_token_pool.req_to_token
@@ -58,6 +62,8 @@ class TorchAttnBackend(AttentionBackend):
             arange = torch.arange(max_len, device=rows.device)
             valid = arange.unsqueeze(0) < fb.seq_lens.unsqueeze(1)  # [batch, max_len]
             index = torch.where(valid, rows, torch.zeros_like(rows))
+            if self.dynamic_decode_len:
+                torch._dynamo.mark_dynamic(index, 1)
             self._full_index, self._full_valid, self._seq_lens = index, valid, fb.seq_lens
             # Rows of one length (always at batch 1) need no padding mask: SDPA then runs its
             # unmasked kernel.
