@@ -35,14 +35,16 @@ def serve_process(*flags: str, start_timeout: float = 300.0,
 @contextlib.contextmanager
 def serve_subprocess(*flags: str, start_timeout: float = 300.0
                      ) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`genserve serve --dtype float32 <flags>` on a free loopback port: yields (the process,
+    """`genserve serve --dtype float32 --no-compile <flags>` (tests skip compiling's minute-long
+    start unless `--compile` is among the flags) on a free loopback port: yields (the process,
     its URL) once /health answers 200; stops it (SIGTERM, then kill) afterwards unless the test
     already did. Its log goes to a file (a pipe nobody reads would block it when full)."""
     port = free_port()
     log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "genserve.entrypoints.cli", "serve",
-         "--port", str(port), "--dtype", "float32", *flags],
+         "--port", str(port), "--dtype", "float32",
+         *([] if "--compile" in flags else ["--no-compile"]), *flags],
         stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -51,6 +51,7 @@ class Runtime:
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "device": str(self.runner.device),
             "quantization": self.runner.quantization,
+            "compile": self.runner.compiled,
             "attention_backend": self.runner.attention_backend_name,
             "context_length": self.runner.context_length,
             "vocab_size": cfg.vocab_size,
@@ -114,7 +115,7 @@ def build_runtime(
             args, config, folder, context_length, source_precision, log_level, on_rank_death
         )
     scheduler = Scheduler(args, runner, tokenizer)
-    if args.compile:
+    if runner.compiled:
         warm_up_compiled_decode(scheduler)
     kv_gib = runner.max_total_tokens * runner.kv_bytes_per_token() / 2**30
     logger.info(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import shutil
+import types
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -108,6 +111,26 @@ def create_attention_backend(name: str, runner: ModelRunner) -> AttentionBackend
     raise ValueError(f"unknown attention backend {name!r}")
 
 
+_COMPILED_MODELS = itertools.count()
+
+
+def _decode_forward(model: torch.nn.Module, fb: ForwardBatch) -> torch.Tensor:
+    """What `--compile` compiles: the model's forward."""
+    return model(fb)
+
+
+def _own_decode_forward() -> types.FunctionType:
+    """`_decode_forward` under a code object of its own (dynamo's cache lives on it)."""
+    code = _decode_forward.__code__
+    code = code.replace(co_name=f"{code.co_name}_{next(_COMPILED_MODELS)}")
+    return types.FunctionType(code, _decode_forward.__globals__, code.co_name)
+
+
+def has_cpp_compiler() -> bool:
+    """Whether torch.compile can build its CPU kernels here (g++, c++ or clang++ on PATH)."""
+    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -175,7 +198,9 @@ class ModelRunner:
         )
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
         self.attn_backend = create_attention_backend(backend, self)
-        self._compiled_decode = self._compile_decode() if args.compile else None
+        # Whether batch-1 decode steps run through torch.compile (`--compile`, resolved).
+        self.compiled = self._want_compile(args.compile)
+        self._compiled_decode = self._compile_decode() if self.compiled else None
 
     def _quantize(self, requested: str, source_precision: str | None) -> str:
         """Apply weight-only quantization; returns the mode the model runs in."""
@@ -201,6 +226,29 @@ class ModelRunner:
         )
         return choice.mode
 
+    def _want_compile(self, requested: bool | None) -> bool:
+        """`--compile` as asked, or for auto (None): on where it was measured to pay, a
+        weight-only quantized model on a CPU with a C++ compiler and one rank (the laptop
+        chat); off elsewhere (GPUs, full precision, tensor parallel)."""
+        if requested is not None:
+            return requested
+        if self.device.type != "cpu" or self.tp.size > 1:
+            return False
+        if self.quantization not in ("int8wo", "int4wo"):
+            return False
+        if not has_cpp_compiler():
+            logger.info(
+                "compile: off (no C++ compiler found; with g++ or clang++ installed, "
+                "torch.compile makes a single chat ~2.7x faster)"
+            )
+            return False
+        logger.info(
+            "compile: on for this CPU's %s weights (1-2 minutes at start-up; --no-compile "
+            "skips it)",
+            self.quantization,
+        )
+        return True
+
     def _compile_decode(self):
         """torch.compile of the model's forward, used for decode steps at batch 1.
 
@@ -208,9 +256,7 @@ class ModelRunner:
         length (compiled dynamic), so one graph serves every step; larger batches take other
         attention plans (padding masks, cascade groups), each of which would stall the server
         on a recompile, so they stay eager."""
-        if self.device.type == "cpu" and not any(
-            shutil.which(c) for c in ("g++", "c++", "clang++")
-        ):
+        if self.device.type == "cpu" and not has_cpp_compiler():
             raise ValueError(
                 "--compile on CPU needs a C++ compiler (g++ or clang++) for torch.compile's "
                 "generated kernels; install one or drop --compile"
@@ -221,14 +267,18 @@ class ModelRunner:
             dynamic = None  # only the marked sequence length varies
         else:
             dynamic = True
-        # Guards on the model's modules are skipped: the compiled graph is built after loading
-        # and quantizing, and nothing replaces a module afterwards. Checking them (every
-        # parameter's metadata, 4-bit weights in Python) cost ~5 ms per decode step.
-        return torch.compile(
-            self.model.forward,
+        # Guards on the model's modules are skipped (checking every parameter's metadata,
+        # 4-bit weights in Python, cost ~5 ms per decode step): the graph is traced after
+        # loading and quantizing, and nothing replaces a module afterwards. Dynamo keeps its
+        # compiled graphs per code object, so each runner compiles its own copy of the
+        # function: another model in the same process (a second Engine) can never match this
+        # model's graph on the guards that are left.
+        compiled = torch.compile(
+            _own_decode_forward(),
             dynamic=dynamic,
             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
         )
+        return functools.partial(compiled, self.model)
 
     def kv_bytes_per_token(self) -> int:
         elt = torch.tensor([], dtype=self.dtype).element_size()

@@ -34,7 +34,7 @@ def test_serve_answers_and_sigterm_shuts_down_cleanly():
         [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-diffusion",
          "--model-path", str(GGUF), "--served-model-name", "SmolLM2-135M-Instruct",
          "--port", str(port), "--dtype", "float32", "--max-total-tokens", "4096",
-         "--api-key", "k"],
+         "--api-key", "k", "--no-compile"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -57,3 +57,43 @@ def test_compile_without_a_cpp_compiler_is_a_clear_error(tiny_model_factory, mon
 def test_compile_with_tensor_parallel_is_refused():
     with pytest.raises(ValueError, match="--compile is not supported with --tp > 1"):
         Engine(compile=True, tp_size=2)
+
+
+def test_auto_compiles_quantized_models_on_a_cpu_with_a_compiler(tiny_model_factory, monkeypatch):
+    """`compile=None` (the server's default): on for int8wo/int4wo weights on a CPU with a C++
+    compiler, with the eager quantized model's tokens; off for full precision and without a
+    compiler (no error: the user did not ask for it)."""
+    folder = str(tiny_model_factory("llama"))
+    ids = prompt(0, 20)
+    # A full-precision model compiled first in the same process: its graph must not be what
+    # the quantized model (other modules, same classes) runs.
+    first = Engine(folder, dtype="float32", max_total_tokens=2048, compile=True)
+    first.generate(input_ids=ids, sampling_params=GREEDY)
+    first.shutdown()
+    auto = Engine(folder, dtype="float32", max_total_tokens=2048, quantization="int8wo")
+    assert auto.runtime.runner.compiled and auto.server_info()["compile"] is True
+    got = auto.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
+    auto.shutdown()
+    eager = Engine(
+        folder, dtype="float32", max_total_tokens=2048, quantization="int8wo", compile=False
+    )
+    assert not eager.runtime.runner.compiled
+    assert got == eager.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
+    eager.shutdown()
+    full = Engine(folder, dtype="float32", max_total_tokens=2048)
+    assert not full.runtime.runner.compiled and full.server_info()["compile"] is False
+    full.shutdown()
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    bare = Engine(folder, dtype="float32", max_total_tokens=2048, quantization="int8wo")
+    assert not bare.runtime.runner.compiled
+    bare.shutdown()
+
+
+def test_serve_flags_map_to_compile():
+    from genserve.entrypoints.cli import build_parser
+    from genserve.entrypoints.serve import engine_args_from
+
+    parse = build_parser().parse_args
+    assert engine_args_from(parse(["serve"]), None).compile is None  # auto
+    assert engine_args_from(parse(["serve", "--compile"]), None).compile is True
+    assert engine_args_from(parse(["serve", "--no-compile"]), None).compile is False
