@@ -7,6 +7,7 @@ that cannot be split are start-up errors naming what works."""
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import signal
 import time
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from genserve.multimodal_gen.launch import start_diffusion_client
 from genserve.multimodal_gen.messages import (
@@ -35,7 +37,8 @@ def _args(**kw) -> SimpleNamespace:
 def group():
     from genserve.multimodal_gen.engine_client import WorkerDiffusionClient
 
-    config = WorkerConfig(("tiny-flux", "tiny-wan"), num_threads=1, batch_delay_ms=50.0,
+    config = WorkerConfig(("tiny-flux", "tiny-wan", "tiny-flux-kontext", "tiny-flux-fill",
+                           "tiny-wan-i2v", "tiny-ltx"), num_threads=1, batch_delay_ms=50.0,
                           cp_size=2)
     client = WorkerDiffusionClient(config, restart_policy=RestartPolicy(initial_delay_s=0.5))
     yield client
@@ -80,6 +83,27 @@ def test_two_ranks_draw_what_one_device_draws(group):
             # Rows are batch-invariant on the CPU and attention splits by whole heads, so the
             # split call computes every number the same way as one device.
             assert np.array_equal(got, want)
+
+
+def _png(color, mode: str = "RGB") -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, (32, 32), color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(("model", "fields"), [
+    ("tiny-flux-kontext", {"reference_images": (_png((200, 10, 10)),)}),
+    ("tiny-flux-fill", {"reference_images": (_png((200, 10, 10)),), "mask_image": _png(255, "L")}),
+    ("tiny-wan-i2v", {"reference_images": (_png((200, 10, 10)),), "num_frames": 5}),
+    ("tiny-ltx", {"num_frames": 9, "width": 64, "height": 64}),
+])
+def test_every_family_that_splits_draws_what_one_device_draws(group, model, fields):
+    fields = {"width": 32, "height": 32, "num_inference_steps": 2, "progress": False, **fields}
+    req = DiffusionRequest(f"c-{model}", model, "a red cat", seed=4, **fields)
+    result = asyncio.run(_events(group, req))[-1]
+    assert isinstance(result, ResultEvent), result
+    expected, _ = _on_one_device(req, group.model_spec(model))
+    assert np.array_equal(result.outputs[0], expected[0])
 
 
 def test_a_size_whose_tokens_do_not_split_is_a_400(group):
