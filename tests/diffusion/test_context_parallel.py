@@ -116,9 +116,10 @@ def test_a_size_whose_tokens_do_not_split_is_a_400(group):
 
 def test_a_cancel_leaves_the_call_on_both_ranks(group):
     async def main():
-        req = _flux("long", 1, num_inference_steps=100, progress=True)
+        req = _flux("long", 1, num_inference_steps=100, progress=True, preview=True)
         stream = group.stream(req)
-        await stream.__anext__()
+        first = await stream.__anext__()
+        assert first.preview.shape == (1, 32, 32, 3)  # rank 0 previews on its own
         assert await group.cancel("long")
         cancelled = [e async for e in stream]
         return cancelled, await _events(group, _flux("next", 5))
