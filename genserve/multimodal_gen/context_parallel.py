@@ -36,6 +36,7 @@ from genserve.multimodal_gen.messages import (
     CPRun,
     CPStep,
     ResolvedRequest,
+    WorkerReady,
 )
 
 if TYPE_CHECKING:
@@ -195,9 +196,10 @@ class GroupLeader:
                 raise GroupBroken(f"rank {rank} of the --diffusion-cp group died") from None
 
 
-def follower_main(config: Any, cp: ContextParallelRank, conn: Any) -> None:
+def follower_main(config: Any, cp: ContextParallelRank, conn: Any, outbox: Any) -> None:
     """Entry point of rank `cp.rank` > 0: load and split the same models as rank 0, then run
-    every call rank 0 sends, until its pipe closes."""
+    every call rank 0 sends, until its pipe closes. A failure to start goes straight to the
+    gateway on rank 0's `outbox` (rank 0 may be waiting for this rank to join the group)."""
     import multiprocessing as mp
 
     from genserve.multimodal_gen.malloc_tuning import tune_malloc
@@ -210,7 +212,9 @@ def follower_main(config: Any, cp: ContextParallelRank, conn: Any) -> None:
     try:
         models = load_group_models(config, cp)
     except Exception as exc:
-        conn.send(CPDone(f"{type(exc).__name__}: {exc}"))
+        error = f"{type(exc).__name__}: {exc}"
+        outbox.put(WorkerReady(specs=[], error=f"rank {cp.rank} of the group: {error}"))
+        conn.send(CPDone(error))
         return
     conn.send(CPDone())
     while True:

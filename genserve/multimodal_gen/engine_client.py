@@ -109,7 +109,7 @@ class WorkerDiffusionClient(DiffusionEngineClient):
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(target=follower_main,
                                args=(self.config, ContextParallelRank(rank, size, init_method),
-                                     theirs),
+                                     theirs, link.outbox),
                                name=f"genserve-diffusion-cp{rank}", daemon=True)
             proc.start()
             theirs.close()  # the child holds its own copy: its death closes the pipe
