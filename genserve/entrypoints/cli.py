@@ -92,6 +92,11 @@ def _add_diffusion_args(p: argparse.ArgumentParser) -> None:
                    help="Diffusion worker processes, one per device (GPU i for worker i; on "
                         "a CPU-only machine they share the cores). Requests of one shape "
                         "still batch on one worker.")
+    g.add_argument("--diffusion-cp", type=int, default=1, metavar="N",
+                   help="Context parallelism: split each diffusion call's token sequences over "
+                        "N devices (cache-dit Ulysses attention; GPU r for rank r, gloo on a "
+                        "CPU). N must divide the model's attention heads. FLUX.1 (also "
+                        "Kontext, Fill), Wan 2.1 (also image-to-video) and LTX-Video.")
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:

@@ -151,7 +151,7 @@ class DataParallelLauncher:
     def __init__(self, args: argparse.Namespace, argv: Sequence[str]) -> None:
         if args.dp < 1:
             raise ValueError(f"--dp must be >= 1, got {args.dp}")
-        if args.diffusion_model_path or args.no_llm:
+        if args.diffusion_model_path or args.no_llm or (args.diffusion_cp or 1) > 1:
             raise ValueError("--dp scales the LLM runtime out behind the router; serve "
                              "diffusion from a separate `genserve serve --no-llm`")
         if not router_available():

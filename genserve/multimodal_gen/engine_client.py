@@ -14,7 +14,7 @@ import multiprocessing as mp
 import queue
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from genserve.multimodal_gen.client import DiffusionEngineClient
@@ -22,6 +22,7 @@ from genserve.multimodal_gen.messages import (
     STATUS_BAD_INPUT,
     STATUS_UNAVAILABLE,
     STATUS_UNKNOWN_MODEL,
+    ContextParallelRank,
     DiffusionRequest,
     ErrorEvent,
     ModelSpec,
@@ -49,11 +50,18 @@ class _InFlight:
 
 @dataclass
 class _WorkerLink:
-    """One worker process and its two queues."""
+    """One worker process and its two queues (and, with --diffusion-cp N, the N - 1 other
+    ranks of its group)."""
 
     proc: Any  # multiprocessing.Process
     inbox: Any  # multiprocessing.Queue of Worker* messages
     outbox: Any  # multiprocessing.Queue of events
+    followers: list[Any] = field(default_factory=list)  # multiprocessing.Process
+
+    def kill_group(self) -> None:
+        for proc in (self.proc, *self.followers):
+            if proc.is_alive():
+                proc.kill()
 
 
 class WorkerDiffusionClient(DiffusionEngineClient):
@@ -75,15 +83,51 @@ class WorkerDiffusionClient(DiffusionEngineClient):
         """Start a worker, wait until its models are loaded, start its reader: the pid."""
         ctx = mp.get_context("spawn")
         link = _WorkerLink(None, ctx.Queue(), ctx.Queue())
-        link.proc = ctx.Process(target=worker_main, args=(self.config, link.inbox, link.outbox),
+        args: tuple = (self.config, link.inbox, link.outbox)
+        if self.config.cp_size > 1:
+            args += self._spawn_followers(ctx, link)
+        link.proc = ctx.Process(target=worker_main, args=args,
                                 name="genserve-diffusion-worker", daemon=True)
         link.proc.start()
+        if link.followers:
+            threading.Thread(target=self._watch_group, args=(link,), name="diffusion-cp-watch",
+                             daemon=True).start()
         self._specs = self._wait_ready(link, self.startup_timeout_s)
         self.integrity_error = None
         self._link = link
         threading.Thread(target=self._read_events, args=(link,), name="diffusion-events",
                          daemon=True).start()
         return link.proc.pid
+
+    def _spawn_followers(self, ctx: Any, link: _WorkerLink) -> tuple:
+        """Start ranks 1..N-1 of a --diffusion-cp group: rank 0's extra arguments."""
+        from genserve.multimodal_gen.context_parallel import follower_main, free_init_method
+
+        size, init_method = self.config.cp_size, free_init_method()
+        conns = []
+        for rank in range(1, size):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=follower_main,
+                               args=(self.config, ContextParallelRank(rank, size, init_method),
+                                     theirs, link.outbox),
+                               name=f"genserve-diffusion-cp{rank}", daemon=True)
+            proc.start()
+            theirs.close()  # the child holds its own copy: its death closes the pipe
+            link.followers.append(proc)
+            conns.append(mine)
+        return ContextParallelRank(0, size, init_method), conns
+
+    @staticmethod
+    def _watch_group(link: _WorkerLink) -> None:
+        """One rank of a context-parallel group died: end them all (the others would wait for
+        it in their next collective). The reader thread then sees rank 0 gone and restarts
+        the group."""
+        from multiprocessing.connection import wait
+
+        wait([p.sentinel for p in (link.proc, *link.followers)])
+        link.kill_group()
+        for proc in (link.proc, *link.followers):
+            proc.join(5)
 
     @staticmethod
     def _wait_ready(link: _WorkerLink, timeout_s: float) -> list[ModelSpec]:
@@ -95,11 +139,12 @@ class WorkerDiffusionClient(DiffusionEngineClient):
             except queue.Empty:
                 waited += 1.0
                 if not link.proc.is_alive() or waited >= timeout_s:
-                    link.proc.kill()
+                    link.kill_group()
                     raise RuntimeError(
                         "the diffusion worker died or hung while loading models") from None
         if not isinstance(ready, WorkerReady) or ready.error:
             link.proc.join(timeout=10)
+            link.kill_group()
             raise RuntimeError(f"the diffusion worker could not load its models: {ready.error}")
         return ready.specs
 
@@ -181,6 +226,9 @@ class WorkerDiffusionClient(DiffusionEngineClient):
             if proc.is_alive():
                 proc.kill()
                 await asyncio.to_thread(proc.join, 5)
+        for follower in self._link.followers:  # they leave once rank 0 closed their pipes
+            await asyncio.to_thread(follower.join, 10)
+        self._link.kill_group()
         self._fail_all("the diffusion worker was shut down")
 
     def queue_depth(self) -> int:

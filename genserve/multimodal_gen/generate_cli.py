@@ -81,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"genserve generate: --output must end in .png, .jpg, .webp or .mp4, got {output}",
               file=sys.stderr)
         return 2
+    if (getattr(args, "diffusion_cp", None) or 1) > 1:
+        print("genserve generate: --diffusion-cp splits calls over a group of processes; "
+              "use `genserve serve --diffusion-cp N`", file=sys.stderr)
+        return 2
     from genserve.multimodal_gen.launch import worker_config_from_args
 
     path = _model_name(args, output)

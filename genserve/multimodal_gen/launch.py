@@ -45,6 +45,7 @@ def worker_config_from_args(model_paths: list[str] | None, args: Any):
         max_batch_size=int(getattr(args, "diffusion_max_batch_size", None) or 4),
         batch_delay_ms=float(getattr(args, "diffusion_batch_delay_ms", None) or 10.0),
         num_threads=envs.GENSERVE_NUM_THREADS.get(),
+        cp_size=1 if getattr(args, "diffusion_cp", None) is None else int(args.diffusion_cp),
     )
 
 
@@ -70,7 +71,8 @@ def worker_device(device: str, index: int, workers: int) -> str:
 def start_diffusion_client(model_paths: list[str] | None, args: Any) -> DiffusionEngineClient:
     """Spawn the diffusion worker(s), load the models and return the client once they are ready
     (raises RuntimeError when a model cannot be loaded). With `--diffusion-workers N` > 1: N
-    workers, one per device, behind a `DiffusionWorkerPool`; on the CPU they share the cores."""
+    workers, one per device, behind a `DiffusionWorkerPool`; on the CPU they share the cores.
+    With `--diffusion-cp N` > 1: one worker whose calls N ranks split (context_parallel.py)."""
     from concurrent.futures import ThreadPoolExecutor
     from dataclasses import replace
 
@@ -82,6 +84,12 @@ def start_diffusion_client(model_paths: list[str] | None, args: Any) -> Diffusio
         raise ValueError(f"--diffusion-workers must be >= 1, got {workers}")
     config = worker_config_from_args(model_paths, args)
     step_cache = default_step_cache_from_args(args)
+    if config.cp_size > 1:
+        if workers > 1:
+            raise ValueError("--diffusion-cp splits one worker's calls over several devices; "
+                             "it cannot be combined with --diffusion-workers > 1")
+        if not config.num_threads:  # the ranks share the cores of a CPU
+            config = replace(config, num_threads=max(1, (os.cpu_count() or 1) // config.cp_size))
     if workers == 1:
         return WorkerDiffusionClient(config, default_step_cache=step_cache)
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // workers)

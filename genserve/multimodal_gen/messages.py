@@ -339,3 +339,39 @@ class ResolvedRequest:
             self.loras,
             alone,
         )
+
+
+# ---- rank 0 of a context-parallel group <-> the other ranks (pipes; pickled) ----
+
+
+@dataclass(frozen=True)
+class ContextParallelRank:
+    """Where one rank of a `--diffusion-cp N` group stands: its rank, the group's size and the
+    TCP address of the group's rendezvous on 127.0.0.1."""
+
+    rank: int
+    size: int
+    init_method: str  # "tcp://127.0.0.1:PORT"
+
+
+@dataclass
+class CPRun:
+    """Rank 0 -> the others: run this batch (the same pipeline call, with the same seeds)."""
+
+    batch: list[Any]  # list[ResolvedRequest]
+
+
+@dataclass
+class CPStep:
+    """Rank 0 -> the others, at every step hook: go on, or leave this pipeline call now (a
+    cancel or a regroup on rank 0)."""
+
+    proceed: bool
+
+
+@dataclass
+class CPDone:
+    """Another rank -> rank 0: it loaded its models (first message), or it ended the last
+    CPRun; `error` says why not."""
+
+    error: str | None = None

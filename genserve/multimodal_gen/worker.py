@@ -15,11 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from genserve.multimodal_gen.batcher import RequestBatcher
+from genserve.multimodal_gen.context_parallel import GroupBroken
 from genserve.multimodal_gen.malloc_tuning import tune_malloc
 from genserve.multimodal_gen.messages import (
     STATUS_BAD_INPUT,
     STATUS_BUG,
     STATUS_CANCELLED,
+    STATUS_UNAVAILABLE,
+    ContextParallelRank,
     ErrorEvent,
     ResolvedRequest,
     ResultEvent,
@@ -63,10 +66,14 @@ class WorkerConfig:
     max_batch_size: int = 4
     batch_delay_ms: float = 10.0
     num_threads: int = 0  # torch intra-op threads (0 = torch default)
+    # Ranks (devices) that split each pipeline call (--diffusion-cp, context_parallel.py).
+    cp_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.model_paths:
             raise ValueError("the diffusion worker needs at least one model")
+        if self.cp_size < 1:
+            raise ValueError(f"--diffusion-cp must be >= 1, got {self.cp_size}")
         if self.max_batch_size < 1:
             raise ValueError(f"diffusion max batch size must be >= 1, got {self.max_batch_size}")
         if self.batch_delay_ms < 0:
@@ -99,6 +106,7 @@ class _Worker:
     reported: dict[str, int] = field(default_factory=dict)  # last step sent, per request
     stopping: bool = False
     integrity_error: str | None = None  # the last self-check's failure
+    group: Any = None  # context_parallel.GroupLeader with --diffusion-cp > 1
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, WorkerSubmit):
@@ -198,7 +206,13 @@ class _Worker:
                 self.outbox.put(StepEvent(req.request_id, step, total, preview))
 
         try:
-            out = model.generate(batch, on_step)
+            out = (self.group.generate(model, batch, on_step) if self.group is not None
+                   else model.generate(batch, on_step))
+        except GroupBroken as exc:
+            logger.error("%s; the diffusion worker exits", exc)
+            self._fail(batch, f"the diffusion worker lost a device: {exc}", STATUS_UNAVAILABLE)
+            self.stopping = True
+            out = None
         except _BatchCancelled:
             for req in batch:
                 self.reported.pop(req.request_id, None)
@@ -250,8 +264,10 @@ def _first_row(batch: list[ResolvedRequest], req: ResolvedRequest) -> int:
     raise KeyError(req.request_id)
 
 
-def worker_main(config: WorkerConfig, inbox: Any, outbox: Any) -> None:
-    """Entry point of the worker process."""
+def worker_main(config: WorkerConfig, inbox: Any, outbox: Any,
+                cp: ContextParallelRank | None = None, cp_conns: list[Any] = ()) -> None:
+    """Entry point of the worker process; with `cp`, rank 0 of a context-parallel group whose
+    other ranks answer on `cp_conns`."""
     logging.basicConfig(level=logging.INFO, format="[diffusion worker] %(message)s")
     ignore_termination_signals()
     tune_malloc()  # before torch allocates anything
@@ -265,7 +281,13 @@ def worker_main(config: WorkerConfig, inbox: Any, outbox: Any) -> None:
         worker = _Worker(config, inbox, outbox,
                          batcher=RequestBatcher(config.max_batch_size,
                                                 config.batch_delay_ms / 1000.0))
-        for path in config.model_paths:
+        if cp is not None:
+            from genserve.multimodal_gen.context_parallel import GroupLeader, load_group_models
+
+            worker.models = load_group_models(config, cp)
+            worker.group = GroupLeader(list(cp_conns))
+            worker.group.wait_ready()
+        for path in config.model_paths if cp is None else ():
             model = load_model(path, config.options_for(path))
             if model.name in worker.models:
                 raise ValueError(f"two diffusion models are named {model.name!r}")
@@ -275,3 +297,5 @@ def worker_main(config: WorkerConfig, inbox: Any, outbox: Any) -> None:
         return
     outbox.put(WorkerReady(specs=[m.spec for m in worker.models.values()]))
     worker.loop()
+    if worker.group is not None:
+        worker.group.close()  # the other ranks leave when their pipe closes

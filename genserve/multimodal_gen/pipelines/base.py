@@ -54,6 +54,9 @@ class DiffusionFamily(ABC):
     step_cache_kind: ClassVar[str] = "dbcache"  # a key of step_cache.STEP_CACHES
     # (blocks attribute, cache-dit ForwardPattern) when cache-dit has no adapter of its own.
     cache_blocks: ClassVar[tuple[str, str] | None] = None
+    # The denoiser can be split over several devices (--diffusion-cp, context_parallel.py):
+    # cache-dit has a context-parallel plan for it and its sequences keep a fixed length.
+    context_parallel: ClassVar[bool] = False
 
     def __init__(self, name: str, pipe: Any, source: str, spec_overrides: dict | None = None):
         self.name = name
@@ -122,10 +125,20 @@ class DiffusionFamily(ABC):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """[1, C, F, h, w] unpacked latents -> images in [-1, 1], [1, 3, F, H, W]."""
 
+    def cp_sequence_lengths(self, kwargs: dict[str, Any]) -> dict[str, int]:
+        """The token sequences of one denoiser call (its keyword arguments) that context
+        parallelism splits over the ranks: name -> length."""
+        # Packed latents [B, tokens, C] and prompt embeddings [B, tokens, D].
+        names = {"hidden_states": "latent", "encoder_hidden_states": "prompt"}
+        return {label: kwargs[name].shape[1] for name, label in names.items()
+                if isinstance(kwargs.get(name), torch.Tensor)}
+
     # ---- the run ----
 
-    def generate(self, batch: list[ResolvedRequest], on_step: StepHook) -> BatchOutput:
-        """Run `batch` (same batch_key) as one pipeline call."""
+    def generate(self, batch: list[ResolvedRequest], on_step: StepHook,
+                 decode: bool = True) -> BatchOutput:
+        """Run `batch` (same batch_key) as one pipeline call. `decode=False` (the other ranks
+        of a context-parallel group) stops at the latents: no frames."""
         t0 = time.perf_counter()
         head = batch[0]
         # 1. One row per output: its prompt, negative prompt and seeded generator.
@@ -145,7 +158,7 @@ class DiffusionFamily(ABC):
         # 4. Decode each row on its own (bit-identical whatever the batch size).
         with torch.inference_mode():
             frames = [self._to_uint8(self.decode(self.unpack_latents(latents[i : i + 1], head)))
-                      for i in range(latents.shape[0])]
+                      for i in range(latents.shape[0]) if decode]
         t2 = time.perf_counter()
         return BatchOutput(
             frames=frames,

@@ -19,6 +19,7 @@ class FluxFamily(DiffusionFamily):
     task = TEXT_TO_IMAGE
     pipeline_classes = ("FluxPipeline",)
     img2img_class = "FluxImg2ImgPipeline"
+    context_parallel = True
     spec_defaults = dict(
         size_factor=16, max_pixels=2048 * 2048, default_width=1024, default_height=1024,
         default_steps=28, default_guidance=3.5, max_steps=100, supports_negative_prompt=False,

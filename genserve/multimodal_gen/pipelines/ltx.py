@@ -17,6 +17,7 @@ class LTXFamily(DiffusionFamily):
     family = "ltx"
     task = TEXT_TO_VIDEO
     pipeline_classes = ("LTXPipeline",)
+    context_parallel = True
     spec_defaults = dict(
         size_factor=32, max_pixels=1280 * 720, default_width=704, default_height=480,
         default_steps=50, default_guidance=3.0, max_steps=100, default_num_frames=161,

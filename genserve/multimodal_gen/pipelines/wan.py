@@ -19,6 +19,7 @@ class WanFamily(DiffusionFamily):
     task = TEXT_TO_VIDEO
     pipeline_classes = ("WanPipeline",)
     cfg_runs_separately = True
+    context_parallel = True
     spec_defaults = dict(
         size_factor=16, max_pixels=1280 * 720, default_width=832, default_height=480,
         default_steps=50, default_guidance=5.0, max_steps=100, default_num_frames=81,
@@ -31,6 +32,14 @@ class WanFamily(DiffusionFamily):
 
     def unpack_latents(self, latents: torch.Tensor, req: ResolvedRequest) -> torch.Tensor:
         return latents  # already [B, C, F, h, w]
+
+    def cp_sequence_lengths(self, kwargs: dict[str, Any]) -> dict[str, int]:
+        # hidden_states [B, C, F, h, w] becomes one token per (t, h, w) patch; the prompt is
+        # not split.
+        latents = kwargs["hidden_states"]
+        t, h, w = self.denoiser.config.patch_size
+        frames, height, width = latents.shape[2:]
+        return {"video latent": (frames // t) * (height // h) * (width // w)}
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
