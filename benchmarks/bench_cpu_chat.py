@@ -139,7 +139,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def bench_genserve(gguf: Path, mode: str, args) -> dict:
-    """`mode` is a --quantization value, optionally with "+compile" (e.g. auto+compile)."""
+    """`mode` is a --quantization value, optionally with "+compile" or "+nocompile"."""
     port = free_port()
     quantization, _, extra = mode.partition("+")
     cmd = [
@@ -153,8 +153,8 @@ def bench_genserve(gguf: Path, mode: str, args) -> dict:
         "--quantization",
         quantization,
     ]
-    if extra == "compile":
-        cmd.append("--compile")
+    if extra in ("compile", "nocompile"):
+        cmd.append("--compile" if extra == "compile" else "--no-compile")
     if not args.embedded:
         cmd += ["--model-path", str(gguf)]
     proc = run_server(cmd, f"http://127.0.0.1:{port}/health")
@@ -198,8 +198,9 @@ def main() -> None:
     p.add_argument("--gguf", default=None, help="default: the embedded SmolLM2 Q4_1 GGUF")
     p.add_argument(
         "--modes",
-        default="auto,none,auto+compile",
-        help="genserve --quantization modes to run; MODE+compile adds --compile",
+        default="auto,auto+nocompile,none",
+        help="genserve --quantization modes to run (the server's default --compile choice); "
+        "MODE+compile adds --compile, MODE+nocompile --no-compile",
     )
     p.add_argument("--tokens", type=int, default=64, help="max_tokens per request")
     p.add_argument("--streams", type=int, default=16)
