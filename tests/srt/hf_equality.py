@@ -37,6 +37,42 @@ TINY = dict(
 )
 
 
+def gemma2_config(**tiny: Any) -> Any:
+    """Gemma 2 with what sets it apart: layer 0 slides over 8 tokens, layer 1 sees everything;
+    both cap attention logits at 1 and the final logits at 3 (low caps, so that the tanh bends
+    the random model's scores). `tiny` overrides TINY's sizes."""
+    import transformers as tf
+
+    return tf.Gemma2Config(
+        **{**TINY, **tiny},
+        head_dim=16,
+        tie_word_embeddings=False,
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=1.0,
+        final_logit_softcapping=3.0,
+    )
+
+
+def gemma3_text_config(**tiny: Any) -> Any:
+    """Gemma 3 text: local layer 0 (8-token window, theta 10k) and global layer 1 (theta 1M,
+    linear scaling), per-head q/k norms with (1 + w). `tiny` overrides TINY's sizes."""
+    import transformers as tf
+
+    return tf.Gemma3TextConfig(
+        **{**TINY, **tiny},
+        head_dim=16,
+        tie_word_embeddings=False,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        },
+    )
+
+
 def save_tiny(model_cls: type, config: Any, path: Path, seed: int = 0) -> Path:
     """Save a random-weight HF model (safetensors) built from `config`."""
     torch.manual_seed(seed)

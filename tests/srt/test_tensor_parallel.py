@@ -20,7 +20,13 @@ from genserve.srt.model_runner import check_tensor_parallel
 from genserve.srt.models.base import ModelKernels
 from genserve.srt.models.mixtral import MixtralForCausalLM
 from genserve.srt.server_args import EngineArgs
-from tests.srt.hf_equality import TINY, assert_greedy_matches_hf, save_tiny
+from tests.srt.hf_equality import (
+    TINY,
+    assert_greedy_matches_hf,
+    gemma2_config,
+    gemma3_text_config,
+    save_tiny,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -73,32 +79,13 @@ def test_tp_sizes_that_do_not_split_the_heads_are_refused(one_kv_head):
 def test_tp2_matches_hf_gemma2_soft_caps_odd_vocabulary(tmp_path):
     # Soft-capped attention and final logits (capped after the vocabulary gather), an 8-token
     # window in layer 0, a scaled embedding split 129 + 128 rows, GELU MLP of odd width.
-    cfg = tf.Gemma2Config(
-        **{**TINY, "vocab_size": 257, "intermediate_size": 99},
-        head_dim=16,
-        tie_word_embeddings=False,
-        sliding_window=8,
-        query_pre_attn_scalar=24,
-        attn_logit_softcapping=1.0,
-        final_logit_softcapping=3.0,
-    )
+    cfg = gemma2_config(vocab_size=257, intermediate_size=99)
     assert_greedy_matches_hf(save_tiny(tf.Gemma2ForCausalLM, cfg, tmp_path), tp_size=2)
 
 
 def test_tp2_matches_hf_gemma3_text_with_one_kv_head(tmp_path):
     # Per-head q/k norms with (1 + w); 1 KV head replicated on both ranks; two rotary tables.
-    cfg = tf.Gemma3TextConfig(
-        **{**TINY, "num_key_value_heads": 1},
-        head_dim=16,
-        tie_word_embeddings=False,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"],
-        query_pre_attn_scalar=16,
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-        },
-    )
+    cfg = gemma3_text_config(num_key_value_heads=1)
     assert_greedy_matches_hf(save_tiny(tf.Gemma3ForCausalLM, cfg, tmp_path), tp_size=2)
 
 

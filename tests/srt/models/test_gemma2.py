@@ -1,20 +1,10 @@
 import transformers as tf
 
-from tests.srt.hf_equality import TINY, assert_greedy_matches_hf, save_tiny
+from tests.srt.hf_equality import TINY, assert_greedy_matches_hf, gemma2_config, save_tiny
 
 
 def test_gemma2_matches_transformers(tmp_path):
-    # Layer 0 slides over 8 tokens, layer 1 sees everything; both cap attention logits at 1
-    # and the final logits at 3 (low caps, so that the tanh bends the random model's scores).
-    cfg = tf.Gemma2Config(
-        **TINY,
-        head_dim=16,
-        tie_word_embeddings=False,
-        sliding_window=8,
-        query_pre_attn_scalar=24,
-        attn_logit_softcapping=1.0,
-        final_logit_softcapping=3.0,
-    )
+    cfg = gemma2_config()
     assert_greedy_matches_hf(save_tiny(tf.Gemma2ForCausalLM, cfg, tmp_path))
 
 
