@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from typing import Any
 
 from genserve.entrypoints.serve import configure_logging, engine_args_from
 
@@ -31,12 +33,21 @@ def run_generate(args: argparse.Namespace) -> int:
     return _generate_text(args)
 
 
+def text_engine_args(args: argparse.Namespace) -> Any:
+    """The engine settings of `generate`: `serve`'s, except that the decode step is compiled
+    only when --compile asks (one request never pays back a minute of compiling)."""
+    engine_args = engine_args_from(args, args.model_path[0] if args.model_path else None)
+    if engine_args.compile is None:
+        engine_args = dataclasses.replace(engine_args, compile=False)
+    return engine_args
+
+
 def _generate_text(args: argparse.Namespace) -> int:
     from genserve.srt.engine import Engine
 
     if args.model_path and len(args.model_path) > 1:
         raise ValueError("generate takes one --model-path")
-    engine_args = engine_args_from(args, args.model_path[0] if args.model_path else None)
+    engine_args = text_engine_args(args)
     engine = Engine(**{f: getattr(engine_args, f) for f in engine_args.__dataclass_fields__})
     prompt = args.prompt
     if not args.raw:

@@ -89,11 +89,15 @@ def test_auto_compiles_quantized_models_on_a_cpu_with_a_compiler(tiny_model_fact
     bare.shutdown()
 
 
-def test_serve_flags_map_to_compile():
+def test_serve_and_generate_flags_map_to_compile():
     from genserve.entrypoints.cli import build_parser
+    from genserve.entrypoints.offline import text_engine_args
     from genserve.entrypoints.serve import engine_args_from
 
     parse = build_parser().parse_args
     assert engine_args_from(parse(["serve"]), None).compile is None  # auto
     assert engine_args_from(parse(["serve", "--compile"]), None).compile is True
     assert engine_args_from(parse(["serve", "--no-compile"]), None).compile is False
+    # One request never repays compiling: `generate` compiles only when asked.
+    assert text_engine_args(parse(["generate", "--prompt", "hi"])).compile is False
+    assert text_engine_args(parse(["generate", "--prompt", "hi", "--compile"])).compile is True
