@@ -18,9 +18,10 @@ import httpx
 from genserve.supervision import stop_process
 
 # The fuzz and soak benchmarks' server: bounded work per request (a short context caps LLM
-# generation), two realtime sessions at most, a quick drain.
+# generation), two realtime sessions at most, a quick drain, no start-up compile (robustness,
+# not single-chat speed, is what they measure).
 ROBUSTNESS_FLAGS = ("--dtype", "float32", "--context-length", "256", "--max-realtime-sessions",
-                    "2", "--shutdown-timeout", "10")
+                    "2", "--shutdown-timeout", "10", "--no-compile")
 
 
 def free_port() -> int:
