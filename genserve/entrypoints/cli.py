@@ -31,7 +31,7 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
                         "checkpoints as they are.")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the batch-1 decode step (needs a C++ compiler on CPU): "
-                        "one chat streams ~2.7x faster, compiling takes 1-2 minutes at "
+                        "one chat streams ~2x faster, compiling takes 1-2 minutes at "
                         "start-up. Default: on for int8wo/int4wo weights on a CPU with g++ or "
                         "clang++ and one rank, else off; --no-compile skips it.")
     g.add_argument("--attention-backend", default=None, choices=("torch", "triton"))

@@ -239,7 +239,7 @@ class ModelRunner:
         if not has_cpp_compiler():
             logger.info(
                 "compile: off (no C++ compiler found; with g++ or clang++ installed, "
-                "torch.compile makes a single chat ~2.7x faster)"
+                "torch.compile makes a single chat ~2x faster)"
             )
             return False
         logger.info(
