@@ -268,11 +268,11 @@ class ModelRunner:
         else:
             dynamic = True
         # Guards on the model's modules are skipped (checking every parameter's metadata,
-        # 4-bit weights in Python, cost ~5 ms per decode step): the graph is traced after
-        # loading and quantizing, and nothing replaces a module afterwards. Dynamo keeps its
-        # compiled graphs per code object, so each runner compiles its own copy of the
-        # function: another model in the same process (a second Engine) can never match this
-        # model's graph on the guards that are left.
+        # 4-bit weights in Python, was a large share of a decode step; docs/benchmarks.md):
+        # the graph is traced after loading and quantizing, and nothing replaces a module
+        # afterwards. Dynamo keeps its compiled graphs per code object, so each runner
+        # compiles its own copy of the function: another model in the same process (a second
+        # Engine) can never match this model's graph on the guards that are left.
         compiled = torch.compile(
             _own_decode_forward(),
             dynamic=dynamic,
