@@ -64,7 +64,7 @@ def test_quantized_linear_is_close(mode):
 def test_tiny_int8wo_tracks_unquantized(tiny):
     mode = "int8wo"
     ref = Engine(tiny, dtype="float32", max_total_tokens=4096)
-    quant = Engine(tiny, dtype="float32", max_total_tokens=4096, quantization=mode)
+    quant = Engine(tiny, dtype="float32", max_total_tokens=4096, quantization=mode, compile=False)
     assert quant.model_info()["quantization"] == mode
     linears = [m for m in quant.runtime.runner.model.modules() if isinstance(m, WeightOnlyLinear)]
     assert len(linears) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and lm_head
@@ -78,7 +78,9 @@ def test_tiny_int8wo_tracks_unquantized(tiny):
 
 
 def test_quantized_prefix_cache_hits_give_the_same_tokens(tiny):
-    engine = Engine(tiny, dtype="float32", max_total_tokens=4096, quantization="int8wo")
+    engine = Engine(
+        tiny, dtype="float32", max_total_tokens=4096, quantization="int8wo", compile=False
+    )
     ids = prompt(7, 40)
     first = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 12})
     again = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 12})
@@ -125,7 +127,7 @@ def test_smollm2_quantized_agrees_and_answers(smol_ref, mode):
 
     assert gguf_precision_class(embedded_gguf_path()) == "int4"
     ref = smol_ref
-    quant = Engine(dtype="float32", max_total_tokens=4096, quantization=mode)
+    quant = Engine(dtype="float32", max_total_tokens=4096, quantization=mode, compile=False)
     tok = quant.tokenizer
     prompts = [
         tok.encode(t)
