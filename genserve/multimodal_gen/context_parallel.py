@@ -256,19 +256,10 @@ def _follow(model: DiffusionFamily, batch: list[ResolvedRequest], conn: Any) -> 
 def load_group_models(config: Any, cp: ContextParallelRank) -> dict[str, DiffusionFamily]:
     """Load `config`'s models on this rank's device, join the group and split them (the same
     on every rank). ValueError when a model cannot be split."""
-    import torch
+    from genserve.multimodal_gen.worker import load_models
 
-    from genserve.multimodal_gen.pipelines import load_model
-
-    if config.num_threads > 0:
-        torch.set_num_threads(config.num_threads)
-    models: dict[str, DiffusionFamily] = {}
-    for path in config.model_paths:
-        model = load_model(path, config.options_for(path))
-        check_supported(model, cp.size)  # before joining: a refusal needs no peer
-        if model.name in models:
-            raise ValueError(f"two diffusion models are named {model.name!r}")
-        models[model.name] = model
+    # Checked before joining: a refusal needs no peer.
+    models = load_models(config, check=lambda model: check_supported(model, cp.size))
     join_group(cp, next(iter(models.values())).device)
     for model in models.values():
         parallelize(model, cp.size)

@@ -11,6 +11,7 @@ import logging
 import queue
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,6 +265,27 @@ def _first_row(batch: list[ResolvedRequest], req: ResolvedRequest) -> int:
     raise KeyError(req.request_id)
 
 
+def load_models(config: WorkerConfig, check: Callable[[Any], None] | None = None
+                ) -> dict[str, Any]:
+    """Every model of `config` by name, after setting the worker's torch thread count;
+    `check` (a context-parallel rank's) vets each model as it loads."""
+    import torch
+
+    from genserve.multimodal_gen.pipelines import load_model
+
+    if config.num_threads > 0:
+        torch.set_num_threads(config.num_threads)
+    models: dict[str, Any] = {}
+    for path in config.model_paths:
+        model = load_model(path, config.options_for(path))
+        if check is not None:
+            check(model)
+        if model.name in models:
+            raise ValueError(f"two diffusion models are named {model.name!r}")
+        models[model.name] = model
+    return models
+
+
 def worker_main(config: WorkerConfig, inbox: Any, outbox: Any,
                 cp: ContextParallelRank | None = None, cp_conns: list[Any] = ()) -> None:
     """Entry point of the worker process; with `cp`, rank 0 of a context-parallel group whose
@@ -272,26 +294,17 @@ def worker_main(config: WorkerConfig, inbox: Any, outbox: Any,
     ignore_termination_signals()
     tune_malloc()  # before torch allocates anything
     try:
-        import torch
-
-        from genserve.multimodal_gen.pipelines import load_model
-
-        if config.num_threads > 0:
-            torch.set_num_threads(config.num_threads)
         worker = _Worker(config, inbox, outbox,
                          batcher=RequestBatcher(config.max_batch_size,
                                                 config.batch_delay_ms / 1000.0))
-        if cp is not None:
+        if cp is None:
+            worker.models = load_models(config)
+        else:
             from genserve.multimodal_gen.context_parallel import GroupLeader, load_group_models
 
             worker.models = load_group_models(config, cp)
             worker.group = GroupLeader(list(cp_conns))
             worker.group.wait_ready()
-        for path in config.model_paths if cp is None else ():
-            model = load_model(path, config.options_for(path))
-            if model.name in worker.models:
-                raise ValueError(f"two diffusion models are named {model.name!r}")
-            worker.models[model.name] = model
     except Exception as exc:
         outbox.put(WorkerReady(specs=[], error=f"{type(exc).__name__}: {exc}"))
         return

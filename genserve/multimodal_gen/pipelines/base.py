@@ -157,8 +157,9 @@ class DiffusionFamily(ABC):
         cached = self.step_cache.cached_steps()
         # 4. Decode each row on its own (bit-identical whatever the batch size).
         with torch.inference_mode():
+            rows = range(latents.shape[0]) if decode else range(0)
             frames = [self._to_uint8(self.decode(self.unpack_latents(latents[i : i + 1], head)))
-                      for i in range(latents.shape[0]) if decode]
+                      for i in rows]
         t2 = time.perf_counter()
         return BatchOutput(
             frames=frames,
