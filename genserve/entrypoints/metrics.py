@@ -90,6 +90,13 @@ class GatewayMetrics:
             "genserve:vision_cached_images", "Image embeddings held by the image cache.", _M,
             registry=r)
         # -- diffusion
+        self.diffusion_streams = Gauge(
+            "genserve:diffusion_streams",
+            "Streaming video sessions whose history the diffusion worker holds.", registry=r)
+        self.diffusion_stream_bytes = Gauge(
+            "genserve:diffusion_stream_bytes",
+            "Bytes of history, prompt and generator state held for streaming sessions.",
+            registry=r)
         self.diffusion_queue_depth = Gauge(
             "genserve:diffusion_queue_depth",
             "Diffusion requests submitted to the worker and not finished (queued or running).",

@@ -41,6 +41,10 @@ class DiffusionClient(Protocol):
 
     async def cancel(self, request_id: str) -> bool: ...
 
+    async def end_stream(self, stream_id: str) -> None: ...
+
+    def stream_stats(self) -> dict[str, int]: ...
+
     def is_healthy(self) -> bool: ...
 
     def runtime_report(self) -> dict[str, Any]: ...
@@ -90,6 +94,14 @@ class DiffusionEngineClient(ABC):
     async def cancel(self, request_id: str) -> bool:
         """Cancel a queued or running request (its stream ends with ErrorEvent(499)); False if
         the id is unknown or already finished."""
+
+    async def end_stream(self, stream_id: str) -> None:
+        """Free the state a streaming model keeps for `stream_id` between chunks (a no-op when
+        none is held). Sessions call it when they stop, restart or go away."""
+
+    def stream_stats(self) -> dict[str, int]:
+        """Streaming sessions held by the engine: `streams` and their `stream_bytes`."""
+        return {"streams": 0, "stream_bytes": 0}
 
     def runtime_report(self) -> dict[str, Any]:
         """The worker process as /health shows it: `state` (starting | ready | restarting |

@@ -15,7 +15,7 @@ import torch
 # tiny-flux and tiny-wan are served by default; the others exist to exercise their families.
 EMBEDDED_NAMES = ("tiny-flux", "tiny-wan", "tiny-sd3", "tiny-sd", "tiny-ltx", "tiny-sdxl",
                   "tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v", "tiny-qwen-image",
-                  "tiny-qwen-image-edit")
+                  "tiny-qwen-image-edit", "tiny-helios")
 _VOCAB_WORDS = (
     "a an the of and with in on at to red green blue yellow white black orange purple cat dog "
     "bird car tree house sky sea sun moon city forest mountain river flower portrait photo "
@@ -208,6 +208,51 @@ def build_tiny_wan_i2v():
     return WanImageToVideoPipeline(**_tiny_wan_parts(in_channels=4 + 4 + 4))
 
 
+def build_tiny_helios():
+    from diffusers import (
+        AutoencoderKLWan,
+        HeliosPipeline,
+        HeliosScheduler,
+        HeliosTransformer3DModel,
+    )
+
+    # Helios: a Wan-style transformer that also reads the history latents through its
+    # short / mid / long patch embeddings; Wan's VAE (4x time, 8x space).
+    transformer = HeliosTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_dim=(4, 4, 4),
+        has_multi_term_memory_patch=True,
+        guidance_cross_attn=True,
+        zero_history_timestep=True,
+    )
+    vae = AutoencoderKLWan(
+        base_dim=4,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    )
+    return HeliosPipeline(
+        tokenizer=_word_tokenizer(16, eos="</s>", pad="<pad>"),
+        text_encoder=_tiny_t5_encoder(32, umt5=True),
+        vae=vae,
+        scheduler=HeliosScheduler(stage_range=[0, 1], stages=1, use_dynamic_shifting=True),
+        transformer=transformer,
+    )
+
+
 def _tiny_image_vae(latent_channels: int = 4, **kwargs):
     from diffusers import AutoencoderKL
 
@@ -342,6 +387,7 @@ _BUILDERS = {
     "tiny-wan-i2v": build_tiny_wan_i2v,
     "tiny-qwen-image": build_tiny_qwen_image,
     "tiny-qwen-image-edit": build_tiny_qwen_image_edit,
+    "tiny-helios": build_tiny_helios,
 }
 
 

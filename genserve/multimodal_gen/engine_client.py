@@ -33,6 +33,8 @@ from genserve.multimodal_gen.messages import (
     WorkerHealth,
     WorkerReady,
     WorkerShutdown,
+    WorkerStreamEnd,
+    WorkerStreams,
     WorkerSubmit,
 )
 from genserve.multimodal_gen.validation import resolve_request
@@ -76,6 +78,7 @@ class WorkerDiffusionClient(DiffusionEngineClient):
         self._lock = threading.Lock()
         self._closing = False
         self.integrity_error: str | None = None  # the worker's last failed self-check
+        self._stream_stats = WorkerStreams(0, 0)  # what the worker last reported
         self.supervisor = ProcessSupervisor("the diffusion worker", self._spawn, restart_policy)
         self.supervisor.started(self._spawn())
 
@@ -158,7 +161,15 @@ class WorkerDiffusionClient(DiffusionEngineClient):
 
     def runtime_report(self) -> dict[str, Any]:
         return {**self.supervisor.report(), "integrity_error": self.integrity_error,
-                "queue_depth": self.queue_depth()}
+                "queue_depth": self.queue_depth(), **self.stream_stats()}
+
+    def stream_stats(self) -> dict[str, int]:
+        stats = self._stream_stats
+        return {"streams": stats.streams, "stream_bytes": stats.nbytes}
+
+    async def end_stream(self, stream_id: str) -> None:
+        if self.is_healthy():
+            self._link.inbox.put(WorkerStreamEnd(stream_id))
 
     async def stream(self, req: DiffusionRequest) -> AsyncIterator[
             StepEvent | ResultEvent | ErrorEvent]:
@@ -258,6 +269,9 @@ class WorkerDiffusionClient(DiffusionEngineClient):
                 break
             if isinstance(event, WorkerHealth):
                 self.integrity_error = event.integrity_error
+                continue
+            if isinstance(event, WorkerStreams):
+                self._stream_stats = event
                 continue
             self._deliver(event)
         link.proc.join(5)

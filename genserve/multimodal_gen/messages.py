@@ -101,6 +101,10 @@ class DiffusionRequest:
     # False: no StepEvent (only the result), for callers that wait for the end: each event
     # wakes the gateway twice while the worker's threads are busy denoising.
     progress: bool = True
+    # Streaming models: the request makes the next chunk of the worker-held stream
+    # `stream_id` (streams.py); `stream_reset` starts it anew (its first chunk, or a new scene).
+    stream_id: str | None = None
+    stream_reset: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
@@ -178,6 +182,9 @@ class ModelSpec:
     lora_adapters: tuple[str, ...] = ()  # LoRA adapters loaded at start
     scheduler: tuple[tuple[str, Any], ...] = ()  # the checkpoint's scheduler: class, settings
     step_cache: bool = True  # the denoiser supports the step cache
+    # Autoregressive with history (Helios): a video is whole chunks of default_num_frames,
+    # and a realtime session continues one video chunk after chunk (streams.py).
+    streaming: bool = False
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -221,6 +228,9 @@ class ModelSpec:
             "default_guidance": self.default_guidance,
             "step_cache": self.step_cache,
         }
+        if self.streaming:
+            card["streaming"] = True
+            card["chunk_frames"] = self.default_num_frames
         if self.task in IMAGE_INPUT_TASKS:
             card["max_reference_images"] = self.max_reference_images
         if self.supports_image_to_image:
@@ -263,6 +273,21 @@ class WorkerCancel:
 @dataclass
 class WorkerShutdown:
     pass
+
+
+@dataclass
+class WorkerStreamEnd:
+    """Free the worker-held state of a stream (its session stopped or went away)."""
+
+    stream_id: str
+
+
+@dataclass
+class WorkerStreams:
+    """Sent by the worker when the streams it holds change: how many, and their bytes."""
+
+    streams: int
+    nbytes: int
 
 
 @dataclass
@@ -313,6 +338,8 @@ class ResolvedRequest:
     # different images never share a pipeline call, which takes one set for all its rows.
     condition_digest: str = ""
     loras: tuple[tuple[str, float], ...] = ()  # (adapter, scale), sorted by name
+    stream_id: str | None = None  # see DiffusionRequest
+    stream_reset: bool = False
 
     @property
     def num_outputs(self) -> int:
@@ -337,6 +364,7 @@ class ResolvedRequest:
             self.step_cache,
             self.condition_digest,
             self.loras,
+            self.stream_id is not None,  # one chunk of a stream, or a whole video
             alone,
         )
 

@@ -75,7 +75,7 @@ def _check_frames(num_frames: int, spec: ModelSpec) -> None:
                          f"num_frames must be {spec.frame_rule}, got {num_frames}")
     k, _, one = spec.frame_rule.partition("k+")
     k_i, one_i = int(k), int(one)
-    below = max(one_i, ((num_frames - one_i) // k_i) * k_i + one_i)
+    below = max(one_i or k_i, ((num_frames - one_i) // k_i) * k_i + one_i)
     raise ValueError(
         f"num_frames {num_frames} does not fit model {spec.name}: it needs {spec.frame_rule} "
         f"frames (k a whole number, e.g. {below} or {below + k_i})"
@@ -204,6 +204,7 @@ def resolve_request(
         strength = 0.8 if strength is None else float(strength)
         if not 0.0 < strength <= 1.0:
             raise ValueError(f"strength must be in (0, 1], got {strength}")
+    _check_stream(req, spec, num_frames)
     seed = random.randrange(0, MAX_SEED - MAX_OUTPUTS) if req.seed is None else int(req.seed)
     if not 0 <= seed <= MAX_SEED - MAX_OUTPUTS:
         raise ValueError(f"seed must be between 0 and {MAX_SEED - MAX_OUTPUTS}, got {seed}")
@@ -230,4 +231,23 @@ def resolve_request(
         mask_image=req.mask_image,
         condition_digest=_digest(req),
         loras=_check_loras(req, spec),
+        stream_id=req.stream_id,
+        stream_reset=req.stream_reset,
     )
+
+
+def _check_stream(req: DiffusionRequest, spec: ModelSpec, num_frames: int) -> None:
+    if req.stream_id is None:
+        if req.stream_reset:
+            raise ValueError("stream_reset needs a stream_id")
+        return
+    if not spec.streaming:
+        raise ValueError(f"model {spec.name} cannot stream (it is not autoregressive with "
+                         "history); use a streaming model such as Helios")
+    if num_frames != spec.default_num_frames:
+        raise ValueError(f"a stream of model {spec.name} makes one chunk of "
+                         f"{spec.default_num_frames} frames per request, got {num_frames}")
+    if req.num_outputs != 1:
+        raise ValueError("a stream makes one output per chunk (n must be 1)")
+    if req.init_image is not None or req.reference_images or req.mask_image is not None:
+        raise ValueError("a stream takes no input image")

@@ -32,8 +32,11 @@ from genserve.multimodal_gen.messages import (
     WorkerHealth,
     WorkerReady,
     WorkerShutdown,
+    WorkerStreamEnd,
+    WorkerStreams,
     WorkerSubmit,
 )
+from genserve.multimodal_gen.streams import StreamStore
 from genserve.supervision import ignore_termination_signals
 
 logger = logging.getLogger("genserve.diffusion.worker")
@@ -107,7 +110,10 @@ class _Worker:
     reported: dict[str, int] = field(default_factory=dict)  # last step sent, per request
     stopping: bool = False
     integrity_error: str | None = None  # the last self-check's failure
+    _ending: set[str] = field(default_factory=set)  # streams to free once their chunk ends
     group: Any = None  # context_parallel.GroupLeader with --diffusion-cp > 1
+    streams: StreamStore = field(default_factory=StreamStore)  # streaming sessions' state
+    _streams_reported: tuple[int, int] = (0, 0)
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, WorkerSubmit):
@@ -121,8 +127,25 @@ class _Worker:
                 # Stops at the next step: its events end now, its rows are dropped.
                 self.cancelled.add(rid)
                 self.outbox.put(ErrorEvent(rid, "request cancelled", STATUS_CANCELLED))
+        elif isinstance(msg, WorkerStreamEnd):
+            if msg.stream_id in self.streams_running():
+                # Its chunk is running: stop it, then free the state when it returns.
+                self._ending.add(msg.stream_id)
+            else:
+                self.streams.end(msg.stream_id)
+                self.report_streams()
         elif isinstance(msg, WorkerShutdown):
             self.stopping = True
+
+    def streams_running(self) -> set[str]:
+        return {r.stream_id for r in self.running.values() if r.stream_id is not None}
+
+    def report_streams(self) -> None:
+        """Tell the gateway how many streams (and bytes) the worker holds, when it changed."""
+        stats = self.streams.stats()
+        if stats != self._streams_reported:
+            self._streams_reported = stats
+            self.outbox.put(WorkerStreams(*stats))
 
     def drain(self, timeout: float | None) -> None:
         """Handle every waiting message; block up to `timeout` for the first (None = forever)."""
@@ -170,12 +193,42 @@ class _Worker:
 
     def check_integrity(self) -> None:
         self.batcher.check_integrity()
+        self.streams.check_integrity(running=bool(self.running))
         stale = set(self.reported) - self.batcher.queued_ids()
         if stale:
             raise AssertionError(f"step counts kept for requests no longer queued: {stale}")
 
     def run_batch(self, batch: list[ResolvedRequest]) -> None:
         model = self.models[batch[0].model]
+        states = None
+        if batch[0].stream_id is not None:
+            batch = self._admit_streams(batch)
+            if not batch:
+                return
+            states = self.streams.acquire(batch, model)
+        try:
+            self._run(model, batch, states)
+        finally:
+            if states is not None:
+                self.streams.release(batch)
+                for sid in self._ending:
+                    self.streams.end(sid)
+                self._ending.clear()
+                self.report_streams()
+
+    def _admit_streams(self, batch: list[ResolvedRequest]) -> list[ResolvedRequest]:
+        """The chunks whose streams can run now; the others end with an error."""
+        admitted = []
+        for req in batch:
+            refusal = self.streams.refusal(req)
+            if refusal is None:
+                admitted.append(req)
+            else:
+                self.reported.pop(req.request_id, None)
+                self.outbox.put(ErrorEvent(req.request_id, *refusal))
+        return admitted
+
+    def _run(self, model: Any, batch: list[ResolvedRequest], states: list | None) -> None:
         self.running = {r.request_id: r for r in batch}
         self.cancelled = set()
         t_start = time.time()
@@ -207,8 +260,12 @@ class _Worker:
                 self.outbox.put(StepEvent(req.request_id, step, total, preview))
 
         try:
-            out = (self.group.generate(model, batch, on_step) if self.group is not None
-                   else model.generate(batch, on_step))
+            if self.group is not None:
+                out = self.group.generate(model, batch, on_step)
+            elif states is not None:
+                out = model.generate(batch, on_step, streams=states)
+            else:
+                out = model.generate(batch, on_step)
         except GroupBroken as exc:
             logger.error("%s; the diffusion worker exits", exc)
             self._fail(batch, f"the diffusion worker lost a device: {exc}", STATUS_UNAVAILABLE)

@@ -50,6 +50,7 @@ class DiffusionWorkerPool(DiffusionEngineClient):
         self._shapes: list[Counter] = [Counter() for _ in self.workers]
         self._served = [0] * len(self.workers)
         self._owner: dict[str, int] = {}
+        self._stream_owner: dict[str, int] = {}  # a stream's chunks all run on one worker
 
     def specs(self) -> list[ModelSpec]:
         return self.workers[0].specs()
@@ -71,7 +72,21 @@ class DiffusionWorkerPool(DiffusionEngineClient):
         states = [r.get("state", "stopped") for r in reports]
         return {"state": "ready" if "ready" in states else states[0], "workers": reports}
 
+    def stream_stats(self) -> dict[str, int]:
+        stats = [w.stream_stats() for w in self.workers]
+        return {key: sum(s[key] for s in stats) for key in ("streams", "stream_bytes")}
+
+    async def end_stream(self, stream_id: str) -> None:
+        index = self._stream_owner.pop(stream_id, None)
+        if index is not None:
+            await self.workers[index].end_stream(stream_id)
+
     def _place(self, req: DiffusionRequest) -> int | None:
+        if req.stream_id is not None and req.stream_id in self._stream_owner:
+            # The worker that holds the stream's history (a new start may move it).
+            index = self._stream_owner[req.stream_id]
+            if not req.stream_reset:
+                return index if self.workers[index].is_healthy() else None
         live = [i for i, w in enumerate(self.workers) if w.is_healthy()]
         if not live:
             return None
@@ -94,6 +109,11 @@ class DiffusionWorkerPool(DiffusionEngineClient):
         self._shapes[index][key] += 1
         self._served[index] += 1
         self._owner[req.request_id] = index
+        if req.stream_id is not None:
+            previous = self._stream_owner.get(req.stream_id)
+            if previous is not None and previous != index:
+                await self.workers[previous].end_stream(req.stream_id)
+            self._stream_owner[req.stream_id] = index
         try:
             async for event in self.workers[index].stream(req):
                 yield event

@@ -57,4 +57,7 @@ async def render_metrics(state: GatewayState) -> bytes:
     diffusion = state.diffusion_client
     if diffusion is not None and diffusion.is_healthy():
         state.metrics.diffusion_queue_depth.set(diffusion.queue_depth())
+        streams = diffusion.stream_stats()
+        state.metrics.diffusion_streams.set(streams["streams"])
+        state.metrics.diffusion_stream_bytes.set(streams["stream_bytes"])
     return state.metrics.render()

@@ -1,6 +1,6 @@
 """JSON control messages of `GET /v1/realtime/video` (binary frames live in `frames.py`).
 
-Client -> server: `start`, `prompt`, `stop`. Server -> client: `started`, `progress`, `chunk_done`,
+Client -> server: `start`, `prompt`, `reset`, `stop`. Server -> client: `started`, `progress`, `chunk_done`,
 `done`, `error`. The protocol is specified in docs/realtime_protocol.md.
 """
 
@@ -52,14 +52,21 @@ class PromptMessage(_ClientMessage):
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
 
 
+class ResetMessage(_ClientMessage):
+    """Streaming models: the next chunk starts a new scene (no history), the prompt kept."""
+
+    type: Literal["reset"]
+
+
 class StopMessage(_ClientMessage):
     type: Literal["stop"]
 
 
-ClientMessage = StartMessage | PromptMessage | StopMessage
+ClientMessage = StartMessage | PromptMessage | ResetMessage | StopMessage
 _BY_TYPE: dict[str, type[_ClientMessage]] = {
     "start": StartMessage,
     "prompt": PromptMessage,
+    "reset": ResetMessage,
     "stop": StopMessage,
 }
 

@@ -27,6 +27,7 @@ from genserve.entrypoints.realtime.protocol import (
     ERROR_CODE_BY_STATUS,
     PromptMessage,
     ProtocolError,
+    ResetMessage,
     StartMessage,
     chunk_done_message,
     done_message,
@@ -65,6 +66,11 @@ class RealtimeSession:
         self._chunks_done = 0
         self._runs = 0  # start messages accepted so far
         self._next_frame_time = 0.0  # monotonic time the next final frame is due
+        # Streaming models: the worker-held stream of this run, its scene (resets so far) and
+        # whether the next chunk starts a new scene.
+        self._stream_id: str | None = None
+        self._scene = 0
+        self._reset_next = False
 
     @property
     def generating(self) -> bool:
@@ -113,6 +119,14 @@ class RealtimeSession:
                 self._error("not_running", "No generation is running; send a start message.")
                 return
             self._prompt = msg.prompt
+        elif isinstance(msg, ResetMessage):
+            if not self.generating or self._stream_id is None:
+                self._error("not_running" if not self.generating else "not_streaming",
+                            "reset starts a new scene of a running stream: start a continuous "
+                            "session on a streaming model first.")
+                return
+            self._scene += 1
+            self._reset_next = True
         elif self.generating or self.sender.paced_pending:  # stop (ignored when idle)
             # Also stops the playback of frames already made (and their queued `done`).
             await self._cancel_generation()
@@ -142,6 +156,9 @@ class RealtimeSession:
         self._prompt = msg.prompt
         self._chunks_done = 0
         self._runs += 1
+        self._scene = 0
+        self._reset_next = False
+        self._stream_id = f"{self.session_id}-{self._runs}" if settings.streaming else None
         self.sender.send_json(started_message(self.session_id, settings.describe()))
         self._generation = asyncio.create_task(self._generate(settings))
 
@@ -177,12 +194,19 @@ class RealtimeSession:
             self._error("internal_error", "The realtime session failed; see the server log.")
         finally:
             self._request_id = None
+            if self._stream_id is not None:
+                # Stopped, finished or failed: the worker frees the stream's state. (The call
+                # does not suspend, so a cancellation cannot skip it.)
+                await self._client.end_stream(self._stream_id)
 
     async def _run_chunk(self, settings: SessionSettings, chunk: int) -> bool:
         """Generate one chunk and queue its frames; False if it ended in an error."""
         # Ids are unique per start: a stopped run's id may still be winding down in the engine.
         request_id = f"rt-{self.session_id}-{self._runs}-{chunk}"
-        req = settings.request(request_id, chunk, self._prompt)
+        reset = self._stream_id is not None and (chunk == 0 or self._reset_next)
+        req = settings.request(request_id, chunk, self._prompt, self._stream_id, self._scene,
+                               reset)
+        self._reset_next = False
         try:
             run = DiffusionRun(self._client, self._admission, self._metrics, req)
         except APIError as exc:  # the queue is full or the worker is down
@@ -212,6 +236,8 @@ class RealtimeSession:
                         "first_preview_ms": first_preview_ms,
                         "cached_steps": event.cached_steps,
                     }
+                    if self._stream_id is not None:
+                        stats["scene"] = self._scene
                     for key, value in event.timings.items():
                         stats[f"engine_{key}_ms"] = round(float(value), 1)
                     await self._queue_finals(settings, chunk, event, stats)
@@ -242,6 +268,10 @@ class RealtimeSession:
         stats["bytes"] = sum(len(p) for p in payloads)
         stats["previews_sent"] = self.sender.previews_sent
         stats["previews_dropped"] = self.sender.previews_dropped
+        # Seconds of video this chunk holds per second it took to make: below 1, generation
+        # is slower than playback and the stream stutters between chunks.
+        stats["realtime_factor"] = round(len(payloads) / settings.fps * 1000.0
+                                         / max(stats["generate_ms"], 1e-3), 3)
         # Frames are due 1/fps apart; a chunk that is ready early starts right after the
         # previous chunk's last frame, so continuous playback has no gap and no overlap.
         interval = 1.0 / settings.fps

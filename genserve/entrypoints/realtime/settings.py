@@ -33,7 +33,9 @@ class SessionSettings:
     fps: int
     num_inference_steps: int
     guidance_scale: float
-    seed: int  # chunk i uses seed + i, so continuous chunks differ but replay the same
+    # Chunk i uses seed + i, so continuous chunks differ but replay the same; a streaming
+    # model's scene j (after j resets) is seeded seed + j and continues from chunk to chunk.
+    seed: int
     preview_format: FrameFormat
     preview_quality: int
     preview_decode_every: int
@@ -45,9 +47,13 @@ class SessionSettings:
     mask_image: bytes | None = None
     init_image: bytes | None = None
     strength: float | None = None
+    streaming: bool = False  # the model continues one video chunk after chunk
 
-    def request(self, request_id: str, chunk: int, prompt: str) -> DiffusionRequest:
-        """The diffusion request of chunk `chunk` (previews on)."""
+    def request(self, request_id: str, chunk: int, prompt: str, stream_id: str | None = None,
+                scene: int = 0, reset: bool = False) -> DiffusionRequest:
+        """The diffusion request of chunk `chunk` (previews on). On a streaming model, the
+        next chunk of stream `stream_id`, `reset` when it starts scene `scene`."""
+        seed = (self.seed + (scene if stream_id is not None else chunk)) % (MAX_SEED - 8)
         return DiffusionRequest(
             request_id=request_id,
             model=self.model,
@@ -59,13 +65,15 @@ class SessionSettings:
             fps=self.fps,
             num_inference_steps=self.num_inference_steps,
             guidance_scale=self.guidance_scale,
-            seed=(self.seed + chunk) % (MAX_SEED - 8),
+            seed=seed,
             preview=True,
             preview_decode_every=self.preview_decode_every,
             reference_images=self.reference_images,
             mask_image=self.mask_image,
             init_image=self.init_image,
             strength=self.strength,
+            stream_id=stream_id,
+            stream_reset=reset,
         )
 
     def describe(self) -> dict[str, object]:
@@ -84,6 +92,7 @@ class SessionSettings:
             "continuous": self.continuous,
             "task": self.task,
             "images": len(self.reference_images) + (self.init_image is not None),
+            "streaming": self.streaming,
         }
 
 
@@ -118,6 +127,9 @@ def resolve_settings(client: DiffusionEngineClient, msg: StartMessage) -> Sessio
         seed=msg.seed,
         preview=True,
         preview_decode_every=msg.preview_decode_every,
+        # A streaming model checks its stream options (chunk size, no input image) up front.
+        stream_id="realtime-check" if spec.streaming else None,
+        stream_reset=spec.streaming,
         **inputs,
     )
     try:
@@ -144,6 +156,7 @@ def resolve_settings(client: DiffusionEngineClient, msg: StartMessage) -> Sessio
         mask_image=resolved.mask_image,
         init_image=resolved.init_image,
         strength=resolved.strength,
+        streaming=spec.streaming,
     )
 
 

@@ -135,7 +135,8 @@ class VideoServing:
             raise bad_request("give seconds or num_frames, not both", param="seconds")
         if body.seconds is None:
             return body.num_frames
-        frames = body.seconds * fps + 1  # a clip of s seconds spans s*fps intervals
+        # A clip of s seconds spans s*fps intervals; a streaming model's chunks tile it.
+        frames = body.seconds * fps + (0 if spec.streaming else 1)
         if abs(frames - round(frames)) > 1e-6 or not spec.frame_count_ok(round(frames)):
             raise bad_request(
                 f"seconds={body.seconds:g} at {fps} fps is {frames:g} frames, which model "

@@ -16,6 +16,7 @@ from pathlib import Path
 from genserve.multimodal_gen.pipelines.base import DiffusionFamily
 from genserve.multimodal_gen.pipelines.flux import FluxFamily
 from genserve.multimodal_gen.pipelines.flux_edit import FluxFillFamily, FluxKontextFamily
+from genserve.multimodal_gen.pipelines.helios import HeliosFamily
 from genserve.multimodal_gen.pipelines.ltx import LTXFamily
 from genserve.multimodal_gen.pipelines.memory import (
     MemoryOptions,
@@ -33,7 +34,7 @@ from genserve.multimodal_gen.pipelines.wan_i2v import WanImageToVideoFamily
 FAMILIES: tuple[type[DiffusionFamily], ...] = (
     FluxFamily, FluxKontextFamily, FluxFillFamily, SD3Family, StableDiffusionFamily,
     StableDiffusionXLFamily, QwenImageFamily, QwenImageEditFamily, WanFamily,
-    WanImageToVideoFamily, LTXFamily, ShapesImageFamily, ShapesVideoFamily,
+    WanImageToVideoFamily, LTXFamily, HeliosFamily, ShapesImageFamily, ShapesVideoFamily,
 )
 # Pipeline classes genserve defines itself (diffusers cannot look them up by name).
 OWN_PIPELINES = {
@@ -72,6 +73,9 @@ EMBEDDED_SPECS: dict[str, tuple[type[DiffusionFamily], dict]] = {
                                               default_steps=4, max_pixels=512 * 512)),
     "tiny-qwen-image-edit": (QwenImageEditFamily, dict(default_width=64, default_height=64,
                                                        default_steps=4, max_pixels=512 * 512)),
+    "tiny-helios": (HeliosFamily, dict(default_width=64, default_height=64, default_steps=2,
+                                       max_pixels=256 * 256, default_guidance=1.0,
+                                       default_fps=8)),
 }
 
 

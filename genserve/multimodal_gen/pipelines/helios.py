@@ -1,0 +1,284 @@
+"""Helios: autoregressive video with history (diffusers `HeliosPipeline`).
+
+Helios makes a video chunk by chunk. Each chunk of `latents_per_chunk` latent frames is denoised
+conditioned on the latents of the chunks before it (a long, a mid and a short window of
+`history_sizes` frames, patchified at 4x, 2x and 1x) and on the video's first latent frame.
+diffusers runs every chunk of a video inside one `__call__`; this family runs the same chunk
+loop one chunk at a time, keeping what the next chunk needs in a `HeliosStream`, so that:
+
+- a realtime session is one continuous video: its stream lives in the worker between chunks;
+- a REST request (`/v1/videos`, a whole number of chunks) runs its chunks in one call;
+- chunks of several streams at different points of their videos share one transformer call
+  (the history windows have a fixed size, zero-filled at the start, so every row has the same
+  shape).
+
+The components and the transformer are diffusers' own; the chunk loop follows
+`HeliosPipeline.__call__` operation for operation (text-to-video, `keep_first_frame`), so the
+frames equal diffusers' for the same seed. The VAE decodes each chunk on its own, as diffusers
+does, so it keeps no state between chunks. Runs in the worker process (imports torch).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from genserve.multimodal_gen.messages import TEXT_TO_VIDEO, ResolvedRequest
+from genserve.multimodal_gen.pipelines.base import BatchOutput, DiffusionFamily, StepHook
+
+# diffusers' defaults for the Helios checkpoints (HeliosPipeline.__call__).
+HISTORY_SIZES = (16, 2, 1)
+LATENTS_PER_CHUNK = 9
+MAX_SEQUENCE_LENGTH = 512
+
+
+@dataclass
+class HeliosStream:
+    """What the next chunk of one video needs. `history` keeps the last sum(history_sizes)
+    latent frames (zeros before the video has that many); `prefix` is the video's first latent
+    frame once the first chunk is made."""
+
+    generator: torch.Generator
+    history: torch.Tensor  # [1, C, sum(history_sizes), h, w] float32
+    prefix: torch.Tensor | None = None  # [1, C, 1, h, w] float32
+    prompt: str | None = None  # the prompt `embeds` encode
+    negative_prompt: str | None = None
+    embeds: torch.Tensor | None = None  # [1, L, D]
+    negative_embeds: torch.Tensor | None = None  # [1, L, D] with guidance, else None
+    chunks: int = 0  # chunks made so far
+    _saved_rng: torch.Tensor | None = field(default=None, repr=False)
+
+    def nbytes(self) -> int:
+        tensors = (self.history, self.prefix, self.embeds, self.negative_embeds)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def begin_chunk(self) -> None:
+        # A chunk that is stopped (cancel, regroup) must leave the stream as it was, so the
+        # re-run draws the same noise.
+        self._saved_rng = self.generator.get_state()
+
+    def abandon_chunk(self) -> None:
+        if self._saved_rng is not None:
+            self.generator.set_state(self._saved_rng)
+            self._saved_rng = None
+
+
+class HeliosFamily(DiffusionFamily):
+    family = "helios"
+    task = TEXT_TO_VIDEO
+    pipeline_classes = ("HeliosPipeline",)
+    cfg_runs_separately = True
+    step_cache_kind = "none"  # cache-dit has no adapter for the history-conditioned blocks
+    streaming = True
+    history_sizes: tuple[int, ...] = HISTORY_SIZES
+    latents_per_chunk: int = LATENTS_PER_CHUNK
+    spec_defaults = dict(
+        size_factor=16, max_pixels=1280 * 720, default_width=640, default_height=384,
+        default_steps=50, default_guidance=5.0, max_steps=100, default_fps=24,
+    )
+
+    def __init__(self, name: str, pipe: Any, source: str, spec_overrides: dict | None = None):
+        self.pipe = pipe  # chunk_frames reads the VAE before the spec is built
+        frames = self.chunk_frames
+        chunked = dict(streaming=True, default_num_frames=frames, frame_rule=f"{frames}k+0",
+                       max_num_frames=frames * 16)
+        super().__init__(name, pipe, source, {**chunked, **(spec_overrides or {})})
+
+    @property
+    def chunk_frames(self) -> int:
+        """Frames one chunk decodes to: the VAE's first latent frame makes one, each other
+        `temporal` frames."""
+        temporal = self.pipe.vae.config.scale_factor_temporal
+        return (self.latents_per_chunk - 1) * temporal + 1
+
+    # ---- DiffusionFamily pieces (previews decode through `decode`) ----
+
+    def call_kwargs(self, req: ResolvedRequest) -> dict[str, Any]:
+        return {}
+
+    def unpack_latents(self, latents: torch.Tensor, req: ResolvedRequest) -> torch.Tensor:
+        return latents  # already [B, C, F, h, w]
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        vae = self.pipe.vae
+        c = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1).to(latents.device,
+                                                                            vae.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, c, 1, 1, 1).to(
+            latents.device, vae.dtype)
+        # The same operations as diffusers (divide by 1/std), so the pixels match.
+        return vae.decode(latents.to(vae.dtype) / inv_std + mean, return_dict=False)[0]
+
+    # ---- streams ----
+
+    def new_stream(self, seed: int, width: int, height: int) -> HeliosStream:
+        """A stream at the start of a video: seeded noise, an empty (zero) history."""
+        gen_device = "cpu" if self.device.type == "mps" else self.device
+        scale = self.pipe.vae_scale_factor_spatial
+        history = torch.zeros(
+            1, self.denoiser.config.in_channels, sum(self.history_sizes), height // scale,
+            width // scale, device=self.device, dtype=torch.float32)
+        return HeliosStream(torch.Generator(device=gen_device).manual_seed(seed), history)
+
+    # ---- the run ----
+
+    def generate(self, batch: list[ResolvedRequest], on_step: StepHook, decode: bool = True,
+                 streams: list[HeliosStream] | None = None) -> BatchOutput:
+        """Run `batch` (same batch_key). With `streams` (one per row, each request one
+        output), each row makes the next chunk of its stream; without, each row makes a whole
+        video of num_frames / chunk_frames chunks from a new stream. Steps are reported
+        cumulatively over the chunks; a stop decision ends the call with no frames."""
+        t0 = time.perf_counter()
+        head = batch[0]
+        rows = [(req, seed) for req in batch for seed in req.seeds]
+        if streams is None:
+            streams = [self.new_stream(seed, head.width, head.height) for _, seed in rows]
+            num_chunks = head.num_frames // self.chunk_frames
+        else:
+            num_chunks = 1
+        if len(streams) != len(rows):
+            raise ValueError(f"{len(rows)} rows but {len(streams)} streams")
+        self.step_cache.configure(head.step_cache, head.num_inference_steps, separate_cfg=True)
+        self._total_steps = num_chunks * head.num_inference_steps
+        chunks: list[list[np.ndarray]] = [[] for _ in rows]
+        decode_ms = 0.0
+        for k in range(num_chunks):
+            try:
+                latents = self._run_chunk(streams, rows, head, on_step,
+                                          k * head.num_inference_steps)
+            except BaseException:
+                self._abandon(streams)  # a failed or interrupted chunk leaves no trace
+                raise
+            if latents is None:
+                return BatchOutput([], 0, self._total_steps, {})
+            t = time.perf_counter()
+            if decode:
+                with torch.inference_mode():
+                    for i in range(len(rows)):
+                        chunks[i].append(self._to_uint8(self.decode(latents[i : i + 1])))
+            decode_ms += (time.perf_counter() - t) * 1e3
+        frames = [np.concatenate(parts) for parts in chunks] if decode else []
+        total_ms = (time.perf_counter() - t0) * 1e3
+        return BatchOutput(frames=frames, cached_steps=0, total_steps=self._total_steps,
+                           timings={"denoise": total_ms - decode_ms, "decode": decode_ms})
+
+    def _encode(self, stream: HeliosStream, prompt: str, negative: str | None,
+                cfg: bool) -> None:
+        # A new prompt (or a new stream) is encoded once; later chunks reuse the embeddings.
+        if stream.embeds is not None and stream.prompt == prompt and (
+                not cfg or (stream.negative_embeds is not None
+                            and stream.negative_prompt == negative)):
+            return
+        embeds, negative_embeds = self.pipe.encode_prompt(
+            prompt=prompt, negative_prompt=negative, do_classifier_free_guidance=cfg,
+            max_sequence_length=MAX_SEQUENCE_LENGTH, device=self.device)
+        dtype = self.denoiser.dtype
+        stream.embeds = embeds.to(dtype)
+        stream.negative_embeds = negative_embeds.to(dtype) if cfg else None
+        stream.prompt, stream.negative_prompt = prompt, negative
+
+    def _run_chunk(self, streams: list[HeliosStream], rows: list[tuple[ResolvedRequest, int]],
+                   head: ResolvedRequest, on_step: StepHook, steps_before: int
+                   ) -> torch.Tensor | None:
+        """Denoise the next chunk of every stream as one batch: latents [B, C, n, h, w], the
+        streams advanced; None (the streams as they were) when on_step says stop."""
+        from diffusers.pipelines.helios.pipeline_helios import calculate_shift
+        from diffusers.utils.torch_utils import randn_tensor
+
+        pipe, transformer = self.pipe, self.denoiser
+        dtype, device = transformer.dtype, self.device
+        cfg = head.guidance_scale > 1.0
+        with torch.inference_mode():
+            # 1. Prompt embeddings (re-encoded only where the prompt changed).
+            for stream, (req, _) in zip(streams, rows):
+                self._encode(stream, req.prompt, req.negative_prompt, cfg)
+            embeds = torch.cat([s.embeds for s in streams])
+            negative_embeds = torch.cat([s.negative_embeds for s in streams]) if cfg else None
+            # 2. History windows (long, mid, 1x) per row; the short window leads with the
+            # video's first latent frame (zeros until the first chunk is made).
+            sizes = list(self.history_sizes)
+            long, mid, short = [], [], []
+            for s in streams:
+                h_long, h_mid, h_1x = s.history.split(sizes, dim=2)
+                prefix = s.prefix if s.prefix is not None else torch.zeros_like(h_1x[:, :, :1])
+                long.append(h_long)
+                mid.append(h_mid)
+                short.append(torch.cat([prefix, h_1x], dim=2))
+            history = {"latents_history_long": torch.cat(long).to(dtype),
+                       "latents_history_mid": torch.cat(mid).to(dtype),
+                       "latents_history_short": torch.cat(short).to(dtype)}
+            history.update(self._indices(len(streams)))
+            # 3. This chunk's noise, from each row's own generator.
+            for s in streams:
+                s.begin_chunk()
+            c, (_, _, _, h, w) = transformer.config.in_channels, streams[0].history.shape
+            latents = torch.cat([
+                randn_tensor((1, c, self.latents_per_chunk, h, w), generator=s.generator,
+                             device=device, dtype=torch.float32) for s in streams])
+            # 4. The step schedule (the same for every chunk of this size).
+            steps = head.num_inference_steps
+            p_t, p_h, p_w = transformer.config.patch_size
+            seq_len = self.latents_per_chunk * h * w // (p_t * p_h * p_w)
+            config = pipe.scheduler.config
+            mu = calculate_shift(seq_len, config.get("base_image_seq_len", 256),
+                                 config.get("max_image_seq_len", 4096),
+                                 config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+            sigmas = np.linspace(0.999, 0.0, steps + 1)[:-1]
+            pipe.scheduler.set_timesteps(steps, device=device, sigmas=sigmas, mu=mu)
+        if self._decide(on_step(steps_before, self._total_steps, {})):
+            return self._abandon(streams)
+        # 5. Denoise.
+        for i, t in enumerate(pipe.scheduler.timesteps):
+            with torch.inference_mode():
+                timestep = t.expand(latents.shape[0])
+                x = latents.to(dtype)
+                with transformer.cache_context("cond"):
+                    noise = transformer(hidden_states=x, timestep=timestep,
+                                        encoder_hidden_states=embeds, return_dict=False,
+                                        **history)[0]
+                if cfg:
+                    with transformer.cache_context("uncond"):
+                        uncond = transformer(hidden_states=x, timestep=timestep,
+                                             encoder_hidden_states=negative_embeds,
+                                             return_dict=False, **history)[0]
+                    noise = uncond + head.guidance_scale * (noise - uncond)
+                latents = pipe.scheduler.step(noise, t, latents, return_dict=False)[0]
+            if self._decide(on_step(steps_before + i + 1, self._total_steps,
+                                    {"latents": latents})):
+                return self._abandon(streams)
+        # 6. The chunk becomes history; the first chunk's first frame becomes the prefix.
+        n_history = sum(self.history_sizes)
+        for row, s in enumerate(streams):
+            made = latents[row : row + 1]
+            if s.prefix is None:
+                s.prefix = made[:, :, 0:1].clone()
+            s.history = torch.cat([s.history, made], dim=2)[:, :, -n_history:].clone()
+            s.chunks += 1
+            s._saved_rng = None
+        return latents
+
+    def _indices(self, batch: int) -> dict[str, torch.Tensor]:
+        """Frame positions of the prefix, the history windows and the chunk (as diffusers lays
+        them out with keep_first_frame)."""
+        sizes = [1, *self.history_sizes, self.latents_per_chunk]
+        prefix, long, mid, one, chunk = torch.arange(sum(sizes)).split(sizes)
+        short = torch.cat([prefix, one])
+        return {"indices_hidden_states": chunk.unsqueeze(0),
+                "indices_latents_history_short": short.unsqueeze(0),
+                "indices_latents_history_mid": mid.unsqueeze(0),
+                "indices_latents_history_long": long.unsqueeze(0)}
+
+    @staticmethod
+    def _decide(decision: Any) -> bool:
+        """True when the step hook's decision stops the call."""
+        return bool(decision) and getattr(decision, "stops", True)
+
+    @staticmethod
+    def _abandon(streams: list[HeliosStream]) -> None:
+        for s in streams:
+            s.abandon_chunk()
+        return None
