@@ -97,7 +97,9 @@ class DiffusionEngineClient(ABC):
 
     async def end_stream(self, stream_id: str) -> None:
         """Free the state a streaming model keeps for `stream_id` between chunks (a no-op when
-        none is held). Sessions call it when they stop, restart or go away."""
+        none is held). Sessions call it when they stop, restart or go away. Engines that
+        serve no streaming model hold nothing to free."""
+        return None
 
     def stream_stats(self) -> dict[str, int]:
         """Streaming sessions held by the engine: `streams` and their `stream_bytes`."""

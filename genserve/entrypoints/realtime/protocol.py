@@ -1,7 +1,7 @@
 """JSON control messages of `GET /v1/realtime/video` (binary frames live in `frames.py`).
 
-Client -> server: `start`, `prompt`, `reset`, `stop`. Server -> client: `started`, `progress`, `chunk_done`,
-`done`, `error`. The protocol is specified in docs/realtime_protocol.md.
+Client -> server: `start`, `prompt`, `reset`, `stop`. Server -> client: `started`, `progress`,
+`chunk_done`, `done`, `error`. The protocol is specified in docs/realtime_protocol.md.
 """
 
 from __future__ import annotations
