@@ -237,7 +237,8 @@ class RealtimeSession:
                         "cached_steps": event.cached_steps,
                     }
                     if self._stream_id is not None:
-                        stats["scene"] = self._scene
+                        stats["scene"] = req.seed - settings.seed
+                        stats["prompt"] = req.prompt
                     for key, value in event.timings.items():
                         stats[f"engine_{key}_ms"] = round(float(value), 1)
                     await self._queue_finals(settings, chunk, event, stats)
