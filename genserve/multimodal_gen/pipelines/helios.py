@@ -87,6 +87,8 @@ class HeliosFamily(DiffusionFamily):
         chunked = dict(streaming=True, default_num_frames=frames, frame_rule=f"{frames}k+0",
                        max_num_frames=frames * 16)
         super().__init__(name, pipe, source, {**chunked, **(spec_overrides or {})})
+        if self.device.type == "cpu":
+            channels_last_conv3d(pipe.vae)
 
     @property
     def chunk_frames(self) -> int:
@@ -157,9 +159,12 @@ class HeliosFamily(DiffusionFamily):
                 return BatchOutput([], 0, self._total_steps, {})
             t = time.perf_counter()
             if decode:
+                # One VAE call for every row: its per-frame causal loop costs about the same
+                # for one row as for several (pixels within one level of decoding alone).
                 with torch.inference_mode():
-                    for i in range(len(rows)):
-                        chunks[i].append(self._to_uint8(self.decode(latents[i : i + 1])))
+                    images = self.decode(latents)
+                for i in range(len(rows)):
+                    chunks[i].append(self._to_uint8(images[i : i + 1]))
             decode_ms += (time.perf_counter() - t) * 1e3
         frames = [np.concatenate(parts) for parts in chunks] if decode else []
         total_ms = (time.perf_counter() - t0) * 1e3
@@ -282,3 +287,14 @@ class HeliosFamily(DiffusionFamily):
         for s in streams:
             s.abandon_chunk()
         return None
+
+
+def channels_last_conv3d(vae: torch.nn.Module) -> None:
+    """Store the 3D convolution weights channels-last on a CPU: oneDNN then runs the VAE's
+    batched decode (several streams' chunks at once) on its fast path instead of the slow
+    reference convolution (docs/benchmarks.md). Sums change order only: a pixel may move one
+    level."""
+    for module in vae.modules():
+        if isinstance(module, torch.nn.Conv3d):
+            module.weight.data = module.weight.data.contiguous(
+                memory_format=torch.channels_last_3d)
