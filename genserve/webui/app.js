@@ -44,6 +44,7 @@
     drawTimes: [],        // performance.now() of recent canvas draws (render fps)
     frameBytes: [],
     decodeMs: [],
+    recorder: null,       // MediaRecorder while the Record button is on
   };
   // Counters for people and tests (the browser test reads them).
   const stats = {
@@ -317,6 +318,50 @@
     setStage(`${$("stage").textContent} · new prompt queued`);
   }
 
+  function newScene() {
+    if (!state.running || !state.ws || !state.settings || !state.settings.streaming) return;
+    state.ws.send(JSON.stringify({ type: "reset" }));
+    setStage(`${$("stage").textContent} · new scene queued`);
+  }
+
+  // ---- recording what the canvas plays (MediaRecorder over canvas.captureStream) ----
+  function toggleRecording() {
+    if (state.recorder) {
+      state.recorder.stop();
+      return;
+    }
+    if (typeof MediaRecorder === "undefined" || !canvas.captureStream) {
+      showError("This browser cannot record the canvas.");
+      return;
+    }
+    const type = ["video/webm;codecs=vp9", "video/webm;codecs=vp8", "video/webm"]
+      .find((t) => MediaRecorder.isTypeSupported(t));
+    const recorder = new MediaRecorder(canvas.captureStream(frameRate()),
+      type ? { mimeType: type } : undefined);
+    const parts = [];
+    recorder.ondataavailable = (event) => { if (event.data.size) parts.push(event.data); };
+    recorder.onstop = () => {
+      const blob = new Blob(parts, { type: recorder.mimeType || "video/webm" });
+      const link = $("recording");
+      if (link.href) URL.revokeObjectURL(link.href);
+      link.href = URL.createObjectURL(blob);
+      link.download = `genserve-${Date.now()}.webm`;
+      link.dataset.bytes = String(blob.size);
+      link.hidden = false;
+      state.recorder = null;
+      $("record").textContent = "Record";
+      document.body.dataset.recording = "saved";
+    };
+    recorder.start(250);
+    state.recorder = recorder;
+    $("record").textContent = "Stop recording";
+    document.body.dataset.recording = "on";
+  }
+
+  function frameRate() {
+    return (state.settings && state.settings.fps) || intValue("fps") || 12;
+  }
+
   function resetRun() {
     state.run += 1;
     for (const frame of state.finals) frame.bitmap.close();
@@ -347,6 +392,15 @@
         stats.chunksDone += 1;
         stats.lastChunkStats = message.stats;
         $("chunk-time").textContent = `${Math.round(message.stats.generate_ms)} ms`;
+        if (message.stats.realtime_factor !== undefined) {
+          // Below 1 the server makes video slower than it plays: say so, with the real rate.
+          const factor = message.stats.realtime_factor;
+          const fps = factor * frameRate();
+          $("realtime-factor").textContent = factor >= 1
+            ? `${factor.toFixed(2)}x (keeps up)`
+            : `${factor.toFixed(2)}x: generating ${fps.toFixed(1)} fps, slower than playback`;
+          $("realtime-factor").dataset.behind = String(factor < 1);
+        }
         break;
       case "done":
         setStage(message.stopped ? "stopped" : `done · ${message.chunks} chunk(s)`,
@@ -503,6 +557,8 @@
     $("stop").disabled = !open || !busy;
     $("send-prompt").disabled = !open || !state.running || !$("continuous").checked
       || state.mode !== "video";
+    $("reset").disabled = $("send-prompt").disabled || !state.settings
+      || !state.settings.streaming;
   }
 
   // ---- wiring ----
@@ -512,6 +568,8 @@
   });
   $("stop").addEventListener("click", stop);
   $("send-prompt").addEventListener("click", sendPrompt);
+  $("reset").addEventListener("click", newScene);
+  $("record").addEventListener("click", toggleRecording);
   $("model").addEventListener("change", applyModelDefaults);
   $("mode").addEventListener("change", () => setMode($("mode").value));
   $("input-image").addEventListener("change", onPicturesChosen);

@@ -219,3 +219,65 @@ def test_rest_long_video_is_whole_chunks(server):
     assert frames.shape[0] == 2 * CHUNK
     bad = httpx.post(base + "/v1/videos", json={**body, "num_frames": 40})
     assert bad.status_code == 400 and "33k+0" in bad.json()["error"]["message"]
+
+
+def test_web_ui_streams_one_video_changes_prompt_twice_and_records_it(server):
+    from playwright import sync_api
+
+    from tests.realtime.browser import launch_chromium
+
+    base, client = server
+    with sync_api.sync_playwright() as pw:
+        browser = launch_chromium(pw)
+        try:
+            page = browser.new_page(viewport={"width": 1100, "height": 800})
+            console_errors: list[str] = []
+            page.on("pageerror", lambda e: console_errors.append(str(e)))
+            page.goto(base + "/")
+            page.wait_for_selector("#connection[data-status=open]", timeout=30_000)
+            page.wait_for_function(
+                "document.querySelector('#model option[value=\"tiny-helios\"]') !== null",
+                timeout=30_000)
+            page.select_option("#model", "tiny-helios")
+            assert page.input_value("#frames") == str(CHUNK)  # one chunk, from the model card
+            page.fill("#width", "64")
+            page.fill("#height", "64")
+            page.fill("#steps", "2")
+            page.fill("#fps", "60")
+            page.fill("#seed", "7")
+            page.fill("#prompt", "a red cat")
+            page.check("#continuous")
+            page.click("#record")
+            page.click("#start")
+            stats = "window.genserveRealtime.stats"
+            page.wait_for_function(f"{stats}.chunksDone >= 1", timeout=60_000)
+            assert not page.is_disabled("#reset")  # a streaming run can start a new scene
+            for prompt in ("a blue dog", "a green tree"):
+                page.fill("#prompt", prompt)
+                page.click("#send-prompt")
+                # A chunk made with the new prompt was played.
+                page.wait_for_function(f"{stats}.lastChunkStats.prompt === '{prompt}'",
+                                       timeout=60_000)
+            page.click("#stop")
+            page.wait_for_function("document.body.dataset.state === 'stopped'",
+                                   timeout=30_000)
+            page.click("#record")
+            page.wait_for_selector("#recording:not([hidden])", timeout=30_000)
+            recording = page.evaluate("""async () => {
+                const link = document.getElementById('recording');
+                const bytes = new Uint8Array(await (await fetch(link.href)).arrayBuffer());
+                return {name: link.download, size: bytes.length,
+                        head: Array.from(bytes.slice(0, 4))};
+            }""")
+            last = page.evaluate(f"{stats}.lastChunkStats")
+            drawn = page.evaluate(f"{stats}.finalsDrawn")
+            factor = page.text_content("#realtime-factor")
+        finally:
+            browser.close()
+    assert not console_errors, console_errors
+    assert recording["name"].endswith(".webm") and recording["size"] > 1000
+    assert recording["head"] == [0x1A, 0x45, 0xDF, 0xA3]  # a WebM (EBML) file
+    assert last["scene"] == 0 and last["prompt"] == "a green tree"  # one scene throughout
+    assert drawn >= 3 * CHUNK
+    assert factor.endswith(("keeps up)", "slower than playback"))
+    _wait_streams_freed(client)
