@@ -140,7 +140,7 @@ def direct_family(args):
         req = ResolvedRequest("o", "tiny-flux", "a red cat on a blue sea", None, size, size, 1,
                               None, steps, 3.5, (seed,), StepCacheConfig(), False, 0, None, None,
                               time.time())
-        return model.generate([req], lambda *a: None).frames[0][0]  # uint8 [H, W, 3]
+        return model.generate([req]).frames[0][0]  # uint8 [H, W, 3]
 
     return call
 
@@ -270,7 +270,7 @@ def bench_step_cache(args) -> dict:
         req = ResolvedRequest("b", "tiny-flux", "a red cat on a blue sea", None, args.size,
                               args.size, 1, None, args.cache_steps, 3.5, (7,), cache, False, 0,
                               None, None, time.time())
-        return model.generate([req], lambda *a: None)
+        return model.generate([req])
 
     off = StepCacheConfig()
     on = StepCacheConfig(enabled=True, residual_diff_threshold=args.threshold)
@@ -311,7 +311,7 @@ def bench_demo_step_cache(args) -> dict:
         req = ResolvedRequest("d", "shapes-image", scene.prompt(), None, 32, 32, 1, None,
                               args.cache_steps, model.spec.default_guidance, (i,), cache, False,
                               0, None, None, time.time())
-        return model.generate([req], lambda *a: None)
+        return model.generate([req])
 
     off = StepCacheConfig()
     on = StepCacheConfig(enabled=True, residual_diff_threshold=args.demo_threshold)
@@ -411,7 +411,7 @@ def bench_family_step_cache(args) -> dict:
             req = ResolvedRequest("f", spec.name, "a red cat on a blue sea", None, size, size,
                                   frames, None, args.cache_steps, spec.default_guidance, (7,),
                                   cache, False, 0, None, None, time.time(), **fields)
-            return model.generate([req], lambda *a: None)
+            return model.generate([req])
 
         off = StepCacheConfig()
         rows = {}

@@ -75,6 +75,11 @@ class ShapesPipeline(DiffusionPipeline):
     def num_timesteps(self) -> int:
         return self._num_timesteps
 
+    @property
+    def interrupt(self) -> bool:
+        """Set `_interrupt` (from a step callback) to skip the steps left, as diffusers does."""
+        return self._interrupt
+
     # ---- text ----
 
     def encode_prompt(self, prompts: list[str], device: torch.device,
@@ -176,7 +181,10 @@ class ShapesPipeline(DiffusionPipeline):
         self.scheduler.set_timesteps(num_inference_steps, device=device)
         timesteps = self.scheduler.timesteps
         self._num_timesteps = len(timesteps)
+        self._interrupt = False
         for i, t in enumerate(self.progress_bar(timesteps)):
+            if self.interrupt:
+                continue
             x = torch.cat([latents, latents]) if use_cfg else latents
             sigma = (t / 1000.0).expand(x.shape[0]).to(dtype)
             v = self.predict(x, sigma, emb, mask)

@@ -9,12 +9,12 @@ the same scheduler step. Text encoders and the VAE run whole on every rank.
 
 Rank 0 is the diffusion worker (worker.py): it takes requests, batches them and reports. For
 each pipeline call it sends the batch to the other ranks (`CPRun`), which run the same call with
-the same seeds; at every step hook it tells them whether to go on (`CPStep`), so that a cancel
+the same seeds; at every step hook it sends them its step decision (`CPStep`), so that a cancel
 or a regroup leaves the call at the same step on every rank; after the call each rank answers
-`CPDone`. A rank that fails or stops answering breaks the group: rank 0 fails the batch with
-503 and exits, the gateway's supervisor restarts the whole group, and the gateway's watch
-(engine_client.py) kills the group when any of its processes dies, so that nobody waits in a
-collective for a dead peer.
+`CPDone`, with the kind of failure when it failed. A rank that fails or stops answering breaks
+the group: rank 0 fails the batch with 503 and exits, the gateway's supervisor restarts the
+whole group, and the gateway's watch (engine_client.py) kills the group when any of its
+processes dies, so that nobody waits in a collective for a dead peer.
 
 Runs in the worker processes; torch is imported inside the functions that use it, so that the
 worker module can name `GroupBroken` in the gateway process.
@@ -35,7 +35,9 @@ from genserve.multimodal_gen.messages import (
     CPDone,
     CPRun,
     CPStep,
+    FailureKind,
     ResolvedRequest,
+    StepDecision,
     WorkerReady,
 )
 
@@ -55,10 +57,6 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 class GroupBroken(Exception):
     """Another rank died or stopped answering: the group cannot run another call."""
-
-
-class _LeaveCall(Exception):
-    """Rank 0 left the pipeline call (cancel, regroup, error): leave it at the same step."""
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -158,13 +156,15 @@ class GroupLeader:
         raised, or GroupBroken."""
         self._send(CPRun(batch))
 
-        def step(i: int, total: int, tensors: dict) -> None:
+        def step(i: int, total: int, tensors: dict) -> StepDecision:
             try:
-                on_step(i, total, tensors)
+                decision = on_step(i, total, tensors)
             except BaseException:
-                self._send(CPStep(proceed=False))
+                # A failing hook ends rank 0's call here: the others leave it at this step too.
+                self._send(CPStep(StepDecision.CANCEL))
                 raise
-            self._send(CPStep(proceed=True))
+            self._send(CPStep(decision))
+            return decision
 
         try:
             return model.generate(batch, step)
@@ -224,33 +224,30 @@ def follower_main(config: Any, cp: ContextParallelRank, conn: Any, outbox: Any) 
             return  # rank 0 closed the group
         if not isinstance(msg, CPRun):
             return
-        error = _follow(models[msg.batch[0].model], msg.batch, conn)
-        if error is not None and not error.startswith("ValueError"):
+        done = _follow(models[msg.batch[0].model], msg.batch, conn)
+        conn.send(done)
+        if done.kind is FailureKind.BUG:
             # Rank 0 may be waiting in a collective this rank will never reach: leaving makes
             # the gateway stop and restart the group instead.
             logger.error("the call failed on this rank; leaving the group")
-            conn.send(CPDone(error))
             return
-        conn.send(CPDone(error))
 
 
-def _follow(model: DiffusionFamily, batch: list[ResolvedRequest], conn: Any) -> str | None:
-    """Run one call as rank 0 directs: None, or the error it ended with."""
+def _follow(model: DiffusionFamily, batch: list[ResolvedRequest], conn: Any) -> CPDone:
+    """Run one call as rank 0 directs, taking rank 0's decision at every step hook; how it
+    ended."""
 
-    def on_step(step: int, total: int, tensors: dict) -> None:
-        if not conn.recv().proceed:
-            raise _LeaveCall
+    def on_step(step: int, total: int, tensors: dict) -> StepDecision:
+        return conn.recv().decision
 
     try:
         model.generate(batch, on_step, decode=False)
-    except _LeaveCall:
-        return None
     except ValueError as exc:  # bad input: rank 0 met the same and reports it
-        return f"ValueError: {exc}"
+        return CPDone(f"ValueError: {exc}", FailureKind.BAD_INPUT)
     except Exception as exc:
         logger.error("pipeline call failed:\n%s", traceback.format_exc())
-        return f"{type(exc).__name__}: {exc}"
-    return None
+        return CPDone(f"{type(exc).__name__}: {exc}", FailureKind.BUG)
+    return CPDone()
 
 
 def load_group_models(config: Any, cp: ContextParallelRank) -> dict[str, DiffusionFamily]:

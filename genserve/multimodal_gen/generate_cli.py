@@ -15,7 +15,12 @@ import sys
 import uuid
 from pathlib import Path
 
-from genserve.multimodal_gen.messages import TEXT_TO_VIDEO, DiffusionRequest, StepCacheConfig
+from genserve.multimodal_gen.messages import (
+    TEXT_TO_VIDEO,
+    DiffusionRequest,
+    StepCacheConfig,
+    StepDecision,
+)
 from genserve.multimodal_gen.validation import resolve_request
 
 _IMAGE_EXT = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
@@ -111,9 +116,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     bar = tqdm(total=resolved.num_inference_steps, desc=f"{spec.name} denoising", unit="step")
 
-    def on_step(step: int, total: int, tensors: dict) -> None:
+    def on_step(step: int, total: int, tensors: dict) -> StepDecision:
         bar.total = total
         bar.update(step - bar.n)
+        return StepDecision.CONTINUE
 
     out = model.generate([resolved], on_step)
     bar.close()

@@ -6,6 +6,7 @@ This module must not import torch: the gateway imports it. numpy is fine.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -389,17 +390,35 @@ class CPRun:
     batch: list[Any]  # list[ResolvedRequest]
 
 
+class StepDecision(enum.Enum):
+    """What a pipeline call does after a step hook: the worker decides it (worker.py), the
+    family leaves the diffusers loop through its `interrupt` flag (pipelines/base.py), and rank 0
+    relays it to the other ranks of a context-parallel group (`CPStep`)."""
+
+    CONTINUE = "continue"
+    CANCEL = "cancel"  # every request of the batch was cancelled: leave the call, drop it
+    REGROUP = "regroup"  # requests that can join arrived: leave the call, queue it again
+
+
+class FailureKind(enum.Enum):
+    """Why a rank's pipeline call failed (`CPDone.kind`)."""
+
+    BAD_INPUT = "bad_input"  # a ValueError every rank meets alike: the group stays in step
+    BUG = "bug"  # anything else: the rank may be out of step with the group, so it leaves
+
+
 @dataclass
 class CPStep:
-    """Rank 0 -> the others, at every step hook: go on, or leave this pipeline call now (a
-    cancel or a regroup on rank 0)."""
+    """Rank 0 -> the others, at every step hook: the decision rank 0 took, so that a cancel or
+    a regroup leaves the call at the same step on every rank."""
 
-    proceed: bool
+    decision: StepDecision
 
 
 @dataclass
 class CPDone:
     """Another rank -> rank 0: it loaded its models (first message), or it ended the last
-    CPRun; `error` says why not."""
+    CPRun; `error` says why not and `kind` what that failure means for the group."""
 
     error: str | None = None
+    kind: FailureKind | None = None

@@ -27,6 +27,7 @@ from genserve.multimodal_gen.messages import (
     ErrorEvent,
     ResolvedRequest,
     ResultEvent,
+    StepDecision,
     StepEvent,
     WorkerCancel,
     WorkerHealth,
@@ -40,15 +41,6 @@ from genserve.multimodal_gen.streams import StreamStore
 from genserve.supervision import ignore_termination_signals
 
 logger = logging.getLogger("genserve.diffusion.worker")
-
-
-class _BatchCancelled(Exception):
-    """Every request of the running batch was cancelled: stop the pipeline now."""
-
-
-class _Regroup(Exception):
-    """Requests that can join the running batch arrived early in its run: restart it with them
-    (see batcher.py)."""
 
 
 # Regroup only while at most this share of the steps is done (that work is thrown away).
@@ -233,17 +225,19 @@ class _Worker:
         self.cancelled = set()
         t_start = time.time()
 
-        def on_step(step: int, total: int, tensors: dict) -> None:
+        def on_step(step: int, total: int, tensors: dict) -> StepDecision:
             self.drain(timeout=0)  # pick up cancels (and new submits) between steps
             live = [r for r in batch if r.request_id not in self.cancelled]
             if not live:
-                raise _BatchCancelled
+                return StepDecision.CANCEL  # every request of the batch was cancelled
             if step < total and step <= max(1, int(total * REGROUP_MAX_FRACTION)):
                 joining = self.batcher.joinable()
-                # Before the first step (step 0) only a batch that would fill up regroups: the
-                # rest of a burst is usually still arriving, and a request regroups only once.
+                # Requests that can join arrived early in the run: restart it with them (see
+                # batcher.py). Before the first step (step 0) only a batch that would fill up
+                # regroups: the rest of a burst is usually still arriving, and a request
+                # regroups only once.
                 if joining and (step > 0 or joining >= self.batcher.room()):
-                    raise _Regroup
+                    return StepDecision.REGROUP
             for req in live:
                 if step <= self.reported.get(req.request_id, 0):
                     continue  # a regrouped request re-runs steps it already reported
@@ -258,53 +252,61 @@ class _Worker:
                     preview = model.preview({"latents": tensors["latents"][row : row + 1]},
                                             req, full_decode=every > 0)
                 self.outbox.put(StepEvent(req.request_id, step, total, preview))
+            return StepDecision.CONTINUE
 
+        out = self._call(model, batch, on_step, states)
+        if out is not None:
+            self._settle(batch, out, t_start)
+        self.running = {}
+        self.cancelled = set()
+
+    def _call(self, model: Any, batch: list[ResolvedRequest], on_step: Any,
+              states: list | None = None) -> Any:
+        """Run the pipeline call (on every rank with --diffusion-cp): its BatchOutput, or None
+        when it failed (the batch's requests have their ErrorEvent)."""
         try:
             if self.group is not None:
-                out = self.group.generate(model, batch, on_step)
-            elif states is not None:
-                out = model.generate(batch, on_step, streams=states)
-            else:
-                out = model.generate(batch, on_step)
+                return self.group.generate(model, batch, on_step)
+            if states is not None:
+                return model.generate(batch, on_step, streams=states)
+            return model.generate(batch, on_step)
         except GroupBroken as exc:
             logger.error("%s; the diffusion worker exits", exc)
             self._fail(batch, f"the diffusion worker lost a device: {exc}", STATUS_UNAVAILABLE)
             self.stopping = True
-            out = None
-        except _BatchCancelled:
+        except ValueError as exc:
+            self._fail(batch, str(exc), STATUS_BAD_INPUT)
+        except Exception as exc:  # a genuine bug: report it, keep serving others
+            logger.error("diffusion batch failed:\n%s", traceback.format_exc())
+            self._fail(batch, f"generation failed: {type(exc).__name__}: {exc}", STATUS_BUG)
+        return None
+
+    def _settle(self, batch: list[ResolvedRequest], out: Any, t_start: float) -> None:
+        """Act on how the call ended: results, nothing (all cancelled) or a regroup."""
+        if out.decision is StepDecision.CANCEL:
             for req in batch:
                 self.reported.pop(req.request_id, None)
-            out = None
-        except _Regroup:
+            return
+        if out.decision is StepDecision.REGROUP:
             live = {r.request_id for r in batch if r.request_id not in self.cancelled}
             for rid in self.cancelled:
                 self.reported.pop(rid, None)  # ended already; only the live ones go back
             logger.debug("regrouping %d request(s) with newly queued ones", len(live))
             self.batcher.requeue(live)
-            out = None
-        except ValueError as exc:
-            self._fail(batch, str(exc), STATUS_BAD_INPUT)
-            out = None
-        except Exception as exc:  # a genuine bug: report it, keep serving others
-            logger.error("diffusion batch failed:\n%s", traceback.format_exc())
-            self._fail(batch, f"generation failed: {type(exc).__name__}: {exc}", STATUS_BUG)
-            out = None
-        if out is not None:
-            row = 0
-            for req in batch:
-                rows = out.frames[row : row + req.num_outputs]
-                row += req.num_outputs
-                self.reported.pop(req.request_id, None)
-                if req.request_id in self.cancelled:
-                    continue
-                timings = dict(out.timings)
-                timings["queue"] = max(0.0, (t_start - req.submitted_at) * 1e3)
-                timings["total"] = (time.time() - req.submitted_at) * 1e3
-                self.outbox.put(ResultEvent(
-                    req.request_id, list(rows), req.fps, out.cached_steps, out.total_steps,
-                    timings, list(req.seeds), batch_size=len(batch)))
-        self.running = {}
-        self.cancelled = set()
+            return
+        row = 0
+        for req in batch:
+            rows = out.frames[row : row + req.num_outputs]
+            row += req.num_outputs
+            self.reported.pop(req.request_id, None)
+            if req.request_id in self.cancelled:
+                continue
+            timings = dict(out.timings)
+            timings["queue"] = max(0.0, (t_start - req.submitted_at) * 1e3)
+            timings["total"] = (time.time() - req.submitted_at) * 1e3
+            self.outbox.put(ResultEvent(
+                req.request_id, list(rows), req.fps, out.cached_steps, out.total_steps,
+                timings, list(req.seeds), batch_size=len(batch)))
 
     def _fail(self, batch: list[ResolvedRequest], message: str, status: int) -> None:
         for req in batch:

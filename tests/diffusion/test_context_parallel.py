@@ -60,7 +60,7 @@ def _on_one_device(req: DiffusionRequest, spec, step_cache=StepCacheConfig()):
     from genserve.multimodal_gen.pipelines import load_model
 
     model = load_model(req.model)
-    out = model.generate([resolve_request(req, spec, step_cache)], lambda *a: None)
+    out = model.generate([resolve_request(req, spec, step_cache)])
     return out.frames, out.cached_steps
 
 

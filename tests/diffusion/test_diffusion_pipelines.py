@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from genserve.multimodal_gen.messages import ResolvedRequest, StepCacheConfig
+from genserve.multimodal_gen.messages import ResolvedRequest, StepCacheConfig, StepDecision
 from genserve.multimodal_gen.pipelines import load_model
 
 NO_CACHE = StepCacheConfig()
@@ -35,9 +35,45 @@ def wan():
 def run(model, *requests):
     """(output, [(step, total)] of the steps run); step 0, before the first, is left out."""
     steps = []
-    out = model.generate(list(requests), lambda s, t, d: steps.append((s, t)))
-    assert steps[0] == (0, steps[-1][1])
+
+    def on_step(step: int, total: int, tensors: dict) -> StepDecision:
+        steps.append((step, total))
+        return StepDecision.CONTINUE
+
+    out = model.generate(list(requests), on_step)
+    assert steps[0] == (0, steps[-1][1]) and out.decision is StepDecision.CONTINUE
     return out, steps[1:]
+
+
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "shapes-image"])
+@pytest.mark.parametrize("stop_at", [0, 1])
+@pytest.mark.parametrize("decision", [StepDecision.CANCEL, StepDecision.REGROUP])
+def test_a_step_decision_leaves_the_call_at_that_step(name, stop_at, decision):
+    """A decision other than CONTINUE ends the pipeline call through diffusers' interrupt flag:
+    no denoiser call after it (none at all when taken at step 0), no further hook, no frames."""
+    model = load_model(name)
+    frames = 5 if name == "tiny-wan" else 1
+    calls = []
+    hook = model.denoiser.register_forward_pre_hook(lambda *_: calls.append(1))
+    steps = []
+
+    def on_step(step: int, total: int, tensors: dict) -> StepDecision:
+        steps.append(step)
+        return decision if step == stop_at else StepDecision.CONTINUE
+
+    try:
+        full, _ = run(model, req(steps=2, frames=frames))
+        per_step = len(calls) // 2  # with classifier-free guidance, some call it twice a step
+        calls.clear()
+        out = model.generate([req(steps=4, frames=frames)], on_step)
+        stopped = len(calls)
+        again, run_steps = run(model, req(steps=2, frames=frames))  # the model is whole after
+    finally:
+        hook.remove()
+    assert steps == list(range(stop_at + 1))
+    assert per_step >= 1 and stopped == per_step * stop_at
+    assert out.decision is decision and out.frames == []
+    assert len(run_steps) == 2 and np.array_equal(again.frames[0], full.frames[0])
 
 
 def test_batched_equals_alone_and_seeds_matter(flux):

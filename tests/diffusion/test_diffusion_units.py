@@ -13,6 +13,7 @@ from genserve.multimodal_gen.messages import (
     DiffusionRequest,
     ModelSpec,
     StepCacheConfig,
+    StepDecision,
 )
 from genserve.multimodal_gen.output_store import OutputStore
 from genserve.multimodal_gen.validation import parse_size, resolve_request
@@ -155,7 +156,6 @@ def test_worker_regroup_forgets_a_member_cancelled_mid_run():
     """A batch [a, b] reports step 1; at step 2 `a` is cancelled and `c` arrives: the worker
     regroups b with c, keeps no state for a, and the next batch finishes b and c."""
     import queue
-    from types import SimpleNamespace
 
     from genserve.multimodal_gen.messages import ErrorEvent, ResultEvent, WorkerCancel, WorkerSubmit
     from genserve.multimodal_gen.worker import WorkerConfig, _Worker
@@ -175,9 +175,10 @@ def test_worker_regroup_forgets_a_member_cancelled_mid_run():
                 if step == 2 and len(self.calls) == 1:
                     inbox.put(WorkerCancel("a"))
                     inbox.put(WorkerSubmit(c))
-                on_step(step, 8, {})
-            return SimpleNamespace(frames=[np.zeros((1, 2, 2, 3), np.uint8)] * len(batch),
-                                   cached_steps=0, total_steps=8, timings={})
+                decision = on_step(step, 8, {})
+                if decision is not StepDecision.CONTINUE:
+                    return _output([], decision)
+            return _output([np.zeros((1, 2, 2, 3), np.uint8)] * len(batch))
 
     worker = _Worker(WorkerConfig(("m",)), inbox, outbox, models={"img": Model()},
                      batcher=RequestBatcher(max_batch_size=4, delay_s=10.0))
@@ -196,13 +197,20 @@ def test_worker_regroup_forgets_a_member_cancelled_mid_run():
     assert {e.request_id for e in events if isinstance(e, ResultEvent)} == {"b", "c"}
 
 
+def _output(frames: list, decision: StepDecision = StepDecision.CONTINUE):
+    """A fake model's call result: its frames, or none when a step decision ended it."""
+    from genserve.multimodal_gen.pipelines.base import BatchOutput
+
+    return BatchOutput(frames=frames, cached_steps=0, total_steps=8, timings={},
+                       decision=decision)
+
+
 @pytest.mark.parametrize("max_batch, regroup_step", [(2, 0), (4, 1)])
 def test_worker_regroups_at_step_0_only_to_fill_the_batch(max_batch, regroup_step):
     """A request that arrives while a lone request's prompt is encoded joins it before the
     first step when that fills the batch (no step thrown away); otherwise after step 1, when
     more of a burst has arrived. No step is reported twice; the next batch holds both."""
     import queue
-    from types import SimpleNamespace
 
     from genserve.multimodal_gen.messages import ResultEvent, WorkerSubmit
     from genserve.multimodal_gen.worker import WorkerConfig, _Worker
@@ -222,10 +230,11 @@ def test_worker_regroups_at_step_0_only_to_fill_the_batch(max_batch, regroup_ste
             if len(self.calls) == 1:
                 inbox.put(WorkerSubmit(b))  # arrives during the prompt encoding
             for step in range(0, 9):
-                on_step(step, 8, {})
+                decision = on_step(step, 8, {})
+                if decision is not StepDecision.CONTINUE:
+                    return _output([], decision)
                 done.append(step)
-            return SimpleNamespace(frames=[np.zeros((1, 2, 2, 3), np.uint8)] * len(batch),
-                                   cached_steps=0, total_steps=8, timings={})
+            return _output([np.zeros((1, 2, 2, 3), np.uint8)] * len(batch))
 
     worker = _Worker(WorkerConfig(("m",), max_batch_size=max_batch), inbox, outbox,
                      models={"img": Model()},

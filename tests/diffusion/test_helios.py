@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from genserve.multimodal_gen.embedded import build_embedded
-from genserve.multimodal_gen.messages import ResolvedRequest, StepCacheConfig
+from genserve.multimodal_gen.messages import ResolvedRequest, StepCacheConfig, StepDecision
 from genserve.multimodal_gen.pipelines import load_model
 from genserve.multimodal_gen.streams import StreamStore
 
@@ -49,7 +49,7 @@ def _close(ours: np.ndarray, ref: np.ndarray, levels: int) -> None:
 
 
 def _no_hook(step, total, tensors):
-    return None
+    return StepDecision.CONTINUE
 
 
 def test_spec_is_chunked(model):
@@ -65,7 +65,7 @@ def test_spec_is_chunked(model):
 def test_whole_video_equals_diffusers(model, guidance):
     steps = []
     out = model.generate([_req("a", "a red cat", 7, 3 * CHUNK, guidance)],
-                         lambda s, t, x: steps.append((s, t)))
+                         lambda s, t, x: steps.append((s, t)) or StepDecision.CONTINUE)
     assert out.frames[0].shape == (3 * CHUNK, 64, 64, 3)
     _close(out.frames[0], _diffusers("a red cat", 7, 3, guidance), 0)
     # Progress counts the steps of every chunk (each chunk first re-reports where it starts,
@@ -117,15 +117,11 @@ def test_stopped_chunk_leaves_the_stream_unchanged(model):
     model.generate([_req("d0", "a red cat", 11)], _no_hook, streams=[stream])
     before = (stream.history.clone(), stream.chunks)
 
-    class Stop(Exception):
-        pass
+    def cancel_at_step_one(step, total, tensors):
+        return StepDecision.CANCEL if step == 1 else StepDecision.CONTINUE
 
-    def stop_at_step_one(step, total, tensors):
-        if step == 1:
-            raise Stop
-
-    with pytest.raises(Stop):
-        model.generate([_req("d1", "a red cat", 11)], stop_at_step_one, streams=[stream])
+    out = model.generate([_req("d1", "a red cat", 11)], cancel_at_step_one, streams=[stream])
+    assert out.decision is StepDecision.CANCEL and not out.frames
     assert torch.equal(stream.history, before[0]) and stream.chunks == before[1]
     again = model.generate([_req("d1", "a red cat", 11)], _no_hook, streams=[stream])
     _close(np.concatenate([_diffusers("a red cat", 11, 2)[:CHUNK], again.frames[0]]),

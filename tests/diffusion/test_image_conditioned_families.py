@@ -63,7 +63,7 @@ def test_family_batches_conditions_caches_and_previews(name, frames, guidance, c
         cond["mask"] = _png(MASK)
 
     def run(*requests):
-        return model.generate(list(requests), lambda *_: None)
+        return model.generate(list(requests))
 
     alone = run(req("a", 1, "a red cat", frames, guidance, **cond))
     assert alone.frames[0].shape == (frames, SIZE, SIZE, 3)
@@ -100,7 +100,7 @@ def test_sdxl_micro_conditioning_follows_the_size():
         for w, h in ((32, 32), (48, 32)):
             r = ResolvedRequest("s", "m", "a red cat", None, w, h, 1, None, 1, 1.0, (1,),
                                 StepCacheConfig(), False, 0, None, None, time.time())
-            model.generate([r], lambda *_: None)
+            model.generate([r])
     finally:
         hook.remove()
     assert seen[0] == [32, 32, 0, 0, 32, 32] and seen[-1] == [32, 48, 0, 0, 32, 48]

@@ -63,7 +63,7 @@ def req(rid, seed, prompt, loras=(), steps=2) -> ResolvedRequest:
 
 
 def run(model, *requests):
-    return model.generate(list(requests), lambda *_: None).frames
+    return model.generate(list(requests)).frames
 
 
 def test_lora_equals_diffusers_alone_and_batched(flux_with_loras):

@@ -108,7 +108,7 @@ def _request(rid: str, prompt: str, seed: int, size: int, frames: int, guidance:
 def _product(model, rows, size, frames, guidance, **fields) -> list[np.ndarray]:
     batch = [_request(f"r{i}", p, s, size, frames, guidance, **fields)
              for i, (p, s) in enumerate(rows)]
-    return model.generate(batch, lambda *_: None).frames  # per row uint8 [F, H, W, 3]
+    return model.generate(batch).frames  # per row uint8 [F, H, W, 3]
 
 
 def _reference(pipe, rows, **kwargs) -> np.ndarray:

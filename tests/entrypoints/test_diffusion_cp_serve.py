@@ -28,7 +28,7 @@ def _one_device(seed: int) -> np.ndarray:
     model = load_model("tiny-flux")
     req = DiffusionRequest("ref", "tiny-flux", "a red cat", width=32, height=32, seed=seed,
                            num_inference_steps=2)
-    out = model.generate([resolve_request(req, model.spec, StepCacheConfig())], lambda *a: None)
+    out = model.generate([resolve_request(req, model.spec, StepCacheConfig())])
     return out.frames[0][0]
 
 

@@ -74,7 +74,7 @@ def _reference(model, seed: int, prompts: list[str], scenes: list[int]) -> np.nd
             guidance_scale=1.0, seeds=(seed + chunk_scene,), step_cache=StepCacheConfig(),
             preview=False, preview_decode_every=0, init_image=None, strength=None,
             submitted_at=time.time())
-        frames.append(model.generate([req], lambda *a: None, streams=[stream]).frames[0])
+        frames.append(model.generate([req], streams=[stream]).frames[0])
     return np.concatenate(frames).astype(np.int16)
 
 

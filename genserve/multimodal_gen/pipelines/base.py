@@ -20,14 +20,14 @@ import numpy as np
 import torch
 
 from genserve.multimodal_gen.batch_invariance import make_batch_invariant
-from genserve.multimodal_gen.messages import ModelSpec, ResolvedRequest
+from genserve.multimodal_gen.messages import ModelSpec, ResolvedRequest, StepDecision
 from genserve.multimodal_gen.pipelines.position_tables import remember_relative_bias
 from genserve.multimodal_gen.step_cache import StepCache, make_step_cache
 
-# on_step(step, total, tensors): step 0 before the first denoising step (tensors empty), then
-# after each step 1..total with tensors = {"latents": [B, C, F, h, w]}. It may raise to stop the
-# pipeline (cancellation, regrouping).
-StepHook = Callable[[int, int, dict[str, torch.Tensor]], None]
+# on_step(step, total, tensors) -> StepDecision: step 0 before the first denoising step (tensors
+# empty), then after each step 1..total with tensors = {"latents": [B, C, F, h, w]}. Any decision
+# but CONTINUE leaves the pipeline call there (cancellation, regrouping).
+StepHook = Callable[[int, int, dict[str, torch.Tensor]], StepDecision]
 
 
 @dataclass
@@ -38,6 +38,9 @@ class BatchOutput:
     cached_steps: int
     total_steps: int
     timings: dict[str, float]  # ms
+    # What ended the call: CONTINUE when every step ran; otherwise the step hook's decision that
+    # left it early, and there are no frames.
+    decision: StepDecision = StepDecision.CONTINUE
 
 
 class DiffusionFamily(ABC):
@@ -135,10 +138,11 @@ class DiffusionFamily(ABC):
 
     # ---- the run ----
 
-    def generate(self, batch: list[ResolvedRequest], on_step: StepHook,
+    def generate(self, batch: list[ResolvedRequest], on_step: StepHook | None = None,
                  decode: bool = True) -> BatchOutput:
-        """Run `batch` (same batch_key) as one pipeline call. `decode=False` (the other ranks
-        of a context-parallel group) stops at the latents: no frames."""
+        """Run `batch` (same batch_key) as one pipeline call, asking `on_step` at each step
+        whether to go on (without it, every step runs). `decode=False` (the other ranks of a
+        context-parallel group) stops at the latents: no frames."""
         t0 = time.perf_counter()
         head = batch[0]
         # 1. One row per output: its prompt, negative prompt and seeded generator.
@@ -152,12 +156,13 @@ class DiffusionFamily(ABC):
         self.step_cache.configure(head.step_cache, head.num_inference_steps,
                                   separate_cfg=self.cfg_runs_separately and self._uses_cfg(head))
         # 3. Denoise to latents, reporting each step.
-        latents = self._denoise(head, prompts, negatives, generators, on_step)
+        latents, decision = self._denoise(head, prompts, negatives, generators, on_step)
         t1 = time.perf_counter()
         cached = self.step_cache.cached_steps()
         # 4. Decode each row on its own (bit-identical whatever the batch size).
         with torch.inference_mode():
-            rows = range(latents.shape[0]) if decode else range(0)
+            finished = decode and decision is StepDecision.CONTINUE
+            rows = range(latents.shape[0]) if finished else range(0)
             frames = [self._to_uint8(self.decode(self.unpack_latents(latents[i : i + 1], head)))
                       for i in rows]
         t2 = time.perf_counter()
@@ -166,6 +171,7 @@ class DiffusionFamily(ABC):
             cached_steps=cached,
             total_steps=self._total_steps,
             timings={"denoise": (t1 - t0) * 1e3, "decode": (t2 - t1) * 1e3},
+            decision=decision,
         )
 
     def _uses_cfg(self, req: ResolvedRequest) -> bool:
@@ -181,7 +187,8 @@ class DiffusionFamily(ABC):
                 generators.append(torch.Generator(device=gen_device).manual_seed(seed))
         return prompts, negatives, generators
 
-    def _denoise(self, head, prompts, negatives, generators, on_step: StepHook) -> torch.Tensor:
+    def _denoise(self, head, prompts, negatives, generators,
+                 on_step: StepHook | None) -> tuple[torch.Tensor, StepDecision]:
         pipe = self.pipe
         kwargs = self.call_kwargs(head)
         if head.init_image is not None:
@@ -198,24 +205,38 @@ class DiffusionFamily(ABC):
         if self.spec.supports_negative_prompt and any(negatives):
             kwargs["negative_prompt"] = negatives
 
-        def callback(pipe_: Any, i: int, t: Any, tensors: dict[str, torch.Tensor]) -> dict:
-            self._total_steps = pipe_.num_timesteps
-            on_step(i + 1, pipe_.num_timesteps,
-                    {"latents": self.unpack_latents(tensors["latents"], head)})
-            return {}
-
+        decision = StepDecision.CONTINUE
         started = False
 
-        def before_first_step(module: Any, args: Any) -> None:
-            # Step 0: the prompts are encoded, no step has run. A cancel, or a regroup with
-            # requests that arrived meanwhile, costs no denoising step here.
+        def decide(step: int, total: int, tensors: dict[str, torch.Tensor]) -> None:
+            nonlocal decision
+            if on_step is None:
+                return
+            decision = on_step(step, total, tensors)
+            if decision is not StepDecision.CONTINUE:
+                # diffusers reads the flag at the top of each step: the steps left are skipped
+                # (no callback either) and the call returns its latents as they are.
+                pipe._interrupt = True
+
+        def callback(pipe_: Any, i: int, t: Any, tensors: dict[str, torch.Tensor]) -> dict:
+            self._total_steps = pipe_.num_timesteps
+            decide(i + 1, pipe_.num_timesteps,
+                   {"latents": self.unpack_latents(tensors["latents"], head)})
+            return {}
+
+        def open_step_loop(iterable: Any = None, total: Any = None) -> Any:
+            # Step 0. A diffusers pipeline opens its progress bar once it has encoded the prompts
+            # and prepared the latents, just before its loop first reads `interrupt`: a cancel,
+            # or a regroup with requests that arrived meanwhile, costs no denoising step here.
             nonlocal started
             if not started:
                 started = True
-                on_step(0, getattr(pipe, "num_timesteps", None) or head.num_inference_steps, {})
+                decide(0, getattr(pipe, "num_timesteps", None) or head.num_inference_steps, {})
+            return type(pipe).progress_bar(pipe, iterable, total)
 
         self._total_steps = head.num_inference_steps
-        hook = self.denoiser.register_forward_pre_hook(before_first_step)
+        # For this call only, on this instance: the class's own progress bar serves the rest.
+        pipe.progress_bar = open_step_loop
         try:
             with torch.inference_mode():
                 out = pipe(
@@ -229,8 +250,8 @@ class DiffusionFamily(ABC):
                     **kwargs,
                 )
         finally:
-            hook.remove()
-        return out[0]
+            del pipe.progress_bar
+        return out[0], decision
 
     def _img2img_pipeline(self) -> Any:
         if self._img2img is None:

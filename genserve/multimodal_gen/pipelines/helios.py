@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from genserve.multimodal_gen.messages import TEXT_TO_VIDEO, ResolvedRequest
+from genserve.multimodal_gen.messages import TEXT_TO_VIDEO, ResolvedRequest, StepDecision
 from genserve.multimodal_gen.pipelines.base import BatchOutput, DiffusionFamily, StepHook
 
 # diffusers' defaults for the Helios checkpoints (HeliosPipeline.__call__).
@@ -128,12 +128,15 @@ class HeliosFamily(DiffusionFamily):
 
     # ---- the run ----
 
-    def generate(self, batch: list[ResolvedRequest], on_step: StepHook, decode: bool = True,
-                 streams: list[HeliosStream] | None = None) -> BatchOutput:
+    def generate(self, batch: list[ResolvedRequest], on_step: StepHook | None = None,
+                 decode: bool = True, streams: list[HeliosStream] | None = None) -> BatchOutput:
         """Run `batch` (same batch_key). With `streams` (one per row, each request one
         output), each row makes the next chunk of its stream; without, each row makes a whole
         video of num_frames / chunk_frames chunks from a new stream. Steps are reported
-        cumulatively over the chunks; a stop decision ends the call with no frames."""
+        cumulatively over the chunks; a decision other than CONTINUE ends the call there with
+        no frames, the streams as they were before the chunk."""
+        if on_step is None:
+            on_step = _every_step
         t0 = time.perf_counter()
         head = batch[0]
         rows = [(req, seed) for req in batch for seed in req.seeds]
@@ -150,13 +153,14 @@ class HeliosFamily(DiffusionFamily):
         decode_ms = 0.0
         for k in range(num_chunks):
             try:
-                latents = self._run_chunk(streams, rows, head, on_step,
-                                          k * head.num_inference_steps)
+                latents, decision = self._run_chunk(streams, rows, head, on_step,
+                                                    k * head.num_inference_steps)
             except BaseException:
-                self._abandon(streams)  # a failed or interrupted chunk leaves no trace
+                self._abandon(streams)  # a failed chunk leaves no trace
                 raise
-            if latents is None:
-                return BatchOutput([], 0, self._total_steps, {})
+            if decision is not StepDecision.CONTINUE:
+                self._abandon(streams)
+                return BatchOutput([], 0, self._total_steps, {}, decision=decision)
             t = time.perf_counter()
             if decode:
                 # One VAE call for every row: its per-frame causal loop costs about the same
@@ -188,9 +192,9 @@ class HeliosFamily(DiffusionFamily):
 
     def _run_chunk(self, streams: list[HeliosStream], rows: list[tuple[ResolvedRequest, int]],
                    head: ResolvedRequest, on_step: StepHook, steps_before: int
-                   ) -> torch.Tensor | None:
-        """Denoise the next chunk of every stream as one batch: latents [B, C, n, h, w], the
-        streams advanced; None (the streams as they were) when on_step says stop."""
+                   ) -> tuple[torch.Tensor | None, StepDecision]:
+        """Denoise the next chunk of every stream as one batch: (latents [B, C, n, h, w],
+        CONTINUE) with the streams advanced, or (None, the hook's decision) when it stops."""
         from diffusers.pipelines.helios.pipeline_helios import calculate_shift
         from diffusers.utils.torch_utils import randn_tensor
 
@@ -234,8 +238,9 @@ class HeliosFamily(DiffusionFamily):
                                  config.get("base_shift", 0.5), config.get("max_shift", 1.15))
             sigmas = np.linspace(0.999, 0.0, steps + 1)[:-1]
             pipe.scheduler.set_timesteps(steps, device=device, sigmas=sigmas, mu=mu)
-        if self._decide(on_step(steps_before, self._total_steps, {})):
-            return self._abandon(streams)
+        decision = on_step(steps_before, self._total_steps, {})
+        if decision is not StepDecision.CONTINUE:
+            return None, decision
         # 5. Denoise.
         for i, t in enumerate(pipe.scheduler.timesteps):
             with torch.inference_mode():
@@ -252,9 +257,9 @@ class HeliosFamily(DiffusionFamily):
                                              return_dict=False, **history)[0]
                     noise = uncond + head.guidance_scale * (noise - uncond)
                 latents = pipe.scheduler.step(noise, t, latents, return_dict=False)[0]
-            if self._decide(on_step(steps_before + i + 1, self._total_steps,
-                                    {"latents": latents})):
-                return self._abandon(streams)
+            decision = on_step(steps_before + i + 1, self._total_steps, {"latents": latents})
+            if decision is not StepDecision.CONTINUE:
+                return None, decision
         # 6. The chunk becomes history; the first chunk's first frame becomes the prefix.
         n_history = sum(self.history_sizes)
         for row, s in enumerate(streams):
@@ -264,7 +269,7 @@ class HeliosFamily(DiffusionFamily):
             s.history = torch.cat([s.history, made], dim=2)[:, :, -n_history:].clone()
             s.chunks += 1
             s._saved_rng = None
-        return latents
+        return latents, StepDecision.CONTINUE
 
     def _indices(self, batch: int) -> dict[str, torch.Tensor]:
         """Frame positions of the prefix, the history windows and the chunk (as diffusers lays
@@ -278,15 +283,9 @@ class HeliosFamily(DiffusionFamily):
                 "indices_latents_history_long": long.unsqueeze(0)}
 
     @staticmethod
-    def _decide(decision: Any) -> bool:
-        """True when the step hook's decision stops the call."""
-        return bool(decision) and getattr(decision, "stops", True)
-
-    @staticmethod
     def _abandon(streams: list[HeliosStream]) -> None:
         for s in streams:
             s.abandon_chunk()
-        return None
 
 
 def channels_last_conv3d(vae: torch.nn.Module) -> None:
@@ -298,3 +297,7 @@ def channels_last_conv3d(vae: torch.nn.Module) -> None:
         if isinstance(module, torch.nn.Conv3d):
             module.weight.data = module.weight.data.contiguous(
                 memory_format=torch.channels_last_3d)
+
+
+def _every_step(step: int, total: int, tensors: dict) -> StepDecision:
+    return StepDecision.CONTINUE
