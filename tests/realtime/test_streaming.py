@@ -107,37 +107,69 @@ def test_continuous_session_is_one_video_equal_to_diffusers(server):
     assert "genserve:diffusion_streams 0.0" in metrics
 
 
-async def _session_with(base: str, after_first: list[dict], chunks: int = 3) -> Received:
-    """A continuous session that sends `after_first` once the first chunk is done."""
+def test_two_sessions_at_once_each_equal_diffusers(server):
+    base, client = server
+
+    async def both():
+        return await asyncio.gather(
+            run_session(base, _start(), timeout_s=120),
+            run_session(base, _start(prompt="a blue dog", seed=9), timeout_s=120))
+
+    pipe = build_embedded("tiny-helios")
+    for out, (prompt, seed) in zip(asyncio.run(both()), (("a red cat", 7), ("a blue dog", 9))):
+        assert out.order[-1] == "json:done", out.messages[-3:]
+        ref = pipe(prompt=prompt, generator=torch.Generator().manual_seed(seed),
+                   num_inference_steps=2, guidance_scale=1.0, height=64, width=64,
+                   num_frames=3 * CHUNK, output_type="np").frames[0]
+        ref = (ref * 255).round().astype(np.int16)
+        assert np.abs(_frames(out)[: len(ref)] - ref).max() <= 1
+        assert all(m["stats"]["batch_size"] in (1, 2) for m in out.of_type("chunk_done"))
+    _wait_streams_freed(client)
+
+
+async def _session_with(base: str, message: dict, until) -> Received:
+    """A continuous session that sends `message` once the first chunk is done, and stops
+    once a chunk's stats satisfy `until` (generation runs ahead of playback, so which chunk
+    first follows the message depends on timing; each chunk's stats say what it was made
+    with)."""
     out = Received()
     async with websockets.connect(ws_url(base), max_size=None) as ws:
-        await ws.send(json.dumps({"type": "start", **_start(max_chunks=chunks)}))
+        await ws.send(json.dumps({"type": "start", **_start(max_chunks=None)}))
         await receive_until(ws, out, {"chunk_done", "error"}, 120)
-        for message in after_first:
-            await ws.send(json.dumps(message))
+        await ws.send(json.dumps(message))
+        while not until(out.messages[-1]["stats"]):
+            await receive_until(ws, out, {"chunk_done", "error"}, 120)
+        await ws.send(json.dumps({"type": "stop"}))
         await receive_until(ws, out, {"done", "error"}, 120)
     return out
 
 
+def _played(out: Received) -> tuple[np.ndarray, list[dict]]:
+    """The frames of the chunks played in full (each chunk_done follows its frames)."""
+    stats = [m["stats"] for m in out.of_type("chunk_done")]
+    return _frames(out)[: len(stats) * CHUNK], stats
+
+
 def test_prompt_change_and_reset_continue_or_restart_the_scene(server, model):
     base, client = server
-    out = asyncio.run(_session_with(base, [{"type": "prompt", "prompt": "a blue dog"}]))
-    assert out.order[-1] == "json:done", out.messages[-3:]
-    stats = [m["stats"] for m in out.of_type("chunk_done")]
+    out = asyncio.run(_session_with(base, {"type": "prompt", "prompt": "a blue dog"},
+                                    lambda stats: stats["prompt"] == "a blue dog"))
+    assert out.messages[-1]["type"] == "done", out.messages[-3:]
+    frames, stats = _played(out)
     prompts = [s["prompt"] for s in stats]
-    # The change applies from the next chunk the session submits (1, or 2 if chunk 1 was
-    # already running), and stays.
+    # The change applies from the next chunk the session submits, and the scene continues.
     assert prompts[0] == "a red cat" and prompts[-1] == "a blue dog"
-    assert [s["scene"] for s in stats] == [0, 0, 0]
-    ref = _reference(model, 7, prompts, [0, 0, 0])
-    assert np.abs(_frames(out) - ref).max() <= 1
+    assert [s["scene"] for s in stats] == [0] * len(stats)
+    assert np.abs(frames - _reference(model, 7, prompts, [0] * len(stats))).max() <= 1
 
-    out = asyncio.run(_session_with(base, [{"type": "reset"}]))
-    assert out.order[-1] == "json:done", out.messages[-3:]
-    scenes = [m["stats"]["scene"] for m in out.of_type("chunk_done")]
+    out = asyncio.run(_session_with(base, {"type": "reset"},
+                                    lambda stats: stats["scene"] == 1))
+    assert out.messages[-1]["type"] == "done", out.messages[-3:]
+    frames, stats = _played(out)
+    scenes = [s["scene"] for s in stats]
     assert scenes[0] == 0 and scenes[-1] == 1 and sorted(scenes) == scenes
-    ref = _reference(model, 7, ["a red cat"] * 3, scenes)
-    assert np.abs(_frames(out) - ref).max() <= 1
+    ref = _reference(model, 7, ["a red cat"] * len(stats), scenes)
+    assert np.abs(frames - ref).max() <= 1
     _wait_streams_freed(client)
 
 

@@ -235,6 +235,7 @@ class RealtimeSession:
                         "generate_ms": _ms(started),
                         "first_preview_ms": first_preview_ms,
                         "cached_steps": event.cached_steps,
+                        "batch_size": event.batch_size,
                     }
                     if self._stream_id is not None:
                         stats["scene"] = req.seed - settings.seed
