@@ -97,6 +97,7 @@ class WorkerDiffusionClient(DiffusionEngineClient):
                              daemon=True).start()
         self._specs = self._wait_ready(link, self.startup_timeout_s)
         self.integrity_error = None
+        self._stream_stats = WorkerStreams(0, 0)  # a new worker holds no stream
         self._link = link
         threading.Thread(target=self._read_events, args=(link,), name="diffusion-events",
                          daemon=True).start()
