@@ -1,0 +1,44 @@
+"""What a vision-language family's processor says about its images, beside the checkpoint's own
+Hugging Face image processor (which makes the pixel arrays).
+
+Torch-free: it runs in the gateway's tokenizer thread. A family file subclasses
+`VisionProcessor` and is named by its entry in `srt/models/registry.py`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from genserve.srt.messages import ImageItem
+
+Grid = tuple[int, int, int]
+
+
+class VisionProcessor(ABC):
+    """A family's placeholder and position rules, read from its config.json."""
+
+    def __init__(self, image_token_id: int) -> None:
+        self.image_token_id = image_token_id
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: dict[str, Any]) -> VisionProcessor:
+        """The rules of the checkpoint whose config.json is `config`; ValueError names a
+        missing field."""
+
+    def grid(self, processed: Any) -> Grid | None:
+        """The image's patch grid (t, h, w) from the HF image processor's output, for families
+        whose token count depends on the image's size; None for a fixed count."""
+        return None
+
+    @abstractmethod
+    def num_tokens(self, grid: Grid | None) -> int:
+        """How many placeholder tokens the image (of patch grid `grid`) becomes."""
+
+    def positions(self, n: int, items: list[ImageItem]) -> tuple[np.ndarray, int] | None:
+        """Rotary positions of an expanded prompt of `n` tokens holding `items`, and the shift
+        of every position after the prompt; None for plain 1-D positions."""
+        return None
