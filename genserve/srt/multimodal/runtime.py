@@ -4,12 +4,15 @@ splice in and, for M-RoPE models, the 3-D positions of its tokens."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from genserve.srt.multimodal.embedding_cache import ImageEmbeddingCache
+
+if TYPE_CHECKING:
+    from genserve.srt.scheduler.batch import ExtendBatch
 
 
 class MultimodalRuntime:
@@ -25,10 +28,11 @@ class MultimodalRuntime:
 
     # ---- per forward pass -------------------------------------------------------------------
 
-    def prepare_extend(self, spans: list[tuple[Any, int, int]]) -> dict[str, Any]:
-        """spans: (req, prefix_len, extend_len) in batch order; the new tokens of span i are
-        the batch rows [sum of earlier extend_lens, + extend_len). Returns keyword arguments
-        for `ModelRunner.build_forward_batch`."""
+    def prepare_extend(self, batch: ExtendBatch) -> dict[str, Any]:
+        """The new tokens of batch row i are the forward's token rows [sum of earlier
+        extend_lens, + extend_len). Returns keyword arguments for
+        `ModelRunner.build_forward_batch`."""
+        spans = [(r.req, r.prefix_len, r.extend_len) for r in batch]
         needed = []  # (batch row of the first token, item, [a, b) rows of its embedding, req)
         row = 0
         for req, prefix, n in spans:
