@@ -229,11 +229,11 @@ class ModelRunner:
         if not has_cpp_compiler():
             logger.info(
                 "compile: off (no C++ compiler found; with g++ or clang++ installed, "
-                "torch.compile makes a single chat ~2x faster)"
+                "torch.compile makes a single chat faster: docs/benchmarks.md)"
             )
             return False
         logger.info(
-            "compile: on for this CPU's %s weights (1-2 minutes at start-up; --no-compile "
+            "compile: on for this CPU's %s weights (it adds minutes to start-up; --no-compile "
             "skips it)",
             self.quantization,
         )

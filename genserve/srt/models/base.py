@@ -23,8 +23,7 @@ from torch import nn
 from genserve.srt.forward_batch import ForwardBatch
 from genserve.srt.layers.attention.base import AttentionLayerInfo
 from genserve.srt.model_config import ModelConfig
-
-KERNELS = ("torch", "triton")
+from genserve.srt.server_args import KERNELS
 
 # What a tensor-parallel rank keeps of a checkpoint tensor: one slice (dim, start, length), or
 # several along one dim, concatenated (its rows of q, of k and of v in a fused qkv tensor).
