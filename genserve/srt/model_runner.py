@@ -143,6 +143,7 @@ class ModelRunner:
         check_tensor_parallel(config, args.tp_size)
         self.args = args
         self.config = config
+        self.folder = folder
         self.tp = tp or TPGroup.single()
         # Set on rank 0 of a tensor-parallel group: every forward is sent to the other ranks.
         self.tp_workers: TPWorkers | None = None

@@ -1,10 +1,11 @@
-"""Turns (prompt token ids, image files) into what the scheduler needs, with the checkpoint's
-own Hugging Face image processor: pixel arrays, expanded image placeholders, content hashes
-and, for families that need them (M-RoPE), the prompt's rotary positions. What differs between
-families lives in their `processors/` file, named by the model registry.
+"""Turns (prompt token ids, image files) into what the scheduler needs: expanded image
+placeholders, the images' files and content hashes and, for families that need them (M-RoPE),
+the prompt's rotary positions. What differs between families lives in their `processors/`
+file, named by the model registry.
 
-Runs in the tokenizer manager (a worker thread of the gateway process), never on the event
-loop; it imports transformers only when a vision model is loaded, and sends numpy arrays.
+Runs in the tokenizer manager (a worker thread of the gateway process) and stays torch-free: it
+reads only each image's size (PIL). The pixel arrays are made in the scheduler process
+(`preprocess.py`), and only for images whose embeddings it has not cached.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from genserve.srt.messages import ImageItem, MultimodalInputs
 from genserve.srt.models.registry import get_processor_class
 from genserve.srt.multimodal.image_source import (
@@ -23,42 +22,41 @@ from genserve.srt.multimodal.image_source import (
     ImageInputError,
     open_image,
 )
-from genserve.srt.multimodal.processors.base import Grid, VisionProcessor
+from genserve.srt.multimodal.processors.base import VisionProcessor
+
+
+def read_vision_processor(folder: str | Path) -> VisionProcessor | None:
+    """The family rules of a model folder (config.json + preprocessor_config.json); None for a
+    text-only model."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    rules_cls = get_processor_class(config)
+    if rules_cls is None:
+        return None
+    path = folder / "preprocessor_config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder} is a vision model but has no preprocessor_config.json")
+    return rules_cls.from_config(config, json.loads(path.read_text()))
 
 
 class VisionInputProcessor:
-    """Preprocesses a vision-language model's images with its Hugging Face image processor."""
+    """Expands a vision-language model's image placeholders (gateway side, no torch)."""
 
     def __init__(
         self,
         rules: VisionProcessor,
-        image_processor: Any,
         max_images: int,
         max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     ) -> None:
         self.rules = rules
-        self.image_processor = image_processor
         self.max_images = max_images
         self.max_pixels = max_pixels
 
     @classmethod
     def from_folder(cls, folder: str | Path, max_images: int) -> VisionInputProcessor | None:
         """None for a text-only model folder."""
-        folder = Path(folder)
-        config = json.loads((folder / "config.json").read_text())
-        rules_cls = get_processor_class(config)
-        if rules_cls is None:
-            return None
-        rules = rules_cls.from_config(config)
-        from transformers import AutoImageProcessor
-
-        try:
-            image_processor = AutoImageProcessor.from_pretrained(str(folder))
-        except (OSError, ValueError) as exc:
-            raise ValueError(
-                f"{folder} is a vision model but has no image processor: {exc}"
-            ) from exc
-        return cls(rules, image_processor, max_images)
+        rules = read_vision_processor(folder)
+        return cls(rules, max_images) if rules is not None else None
 
     def process(
         self, input_ids: list[int], images: list[bytes]
@@ -79,7 +77,7 @@ class VisionInputProcessor:
         prev = 0
         for k, ((start, length), data) in enumerate(zip(runs, images)):
             try:
-                pixels, grid = self._preprocess(data)
+                grid = self._grid(data)
             except ImageInputError as exc:
                 raise ImageInputError(f"image {k}: {exc}") from None
             count = self.rules.num_tokens(grid)
@@ -88,7 +86,7 @@ class VisionInputProcessor:
                     f"image {k} has {length} placeholder tokens; give 1 (or {count})"
                 )
             ids.extend(input_ids[prev:start])
-            items.append(ImageItem(_content_hash(pixels, grid), pixels, grid, len(ids), count))
+            items.append(ImageItem(content_hash(data), data, grid, len(ids), count))
             ids.extend([self.rules.image_token_id] * count)
             prev = start + length
         ids.extend(input_ids[prev:])
@@ -106,11 +104,14 @@ class VisionInputProcessor:
                 f"the prompt has {len(runs)} image placeholders but no images were given"
             )
 
-    def _preprocess(self, data: bytes) -> tuple[np.ndarray, Grid | None]:
+    def _grid(self, data: bytes) -> Any:
+        """The image's patch grid from its size; decoding it here also refuses, with a 400,
+        what the scheduler could not decode."""
         image = open_image(data, self.max_pixels)
-        out = self.image_processor(images=[image], return_tensors="np")
-        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
-        return pixels, self.rules.grid(out)
+        try:
+            return self.rules.image_grid(*image.size)
+        except ValueError as exc:
+            raise ImageInputError(str(exc)) from None
 
 
 def _placeholder_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
@@ -129,9 +130,6 @@ def _placeholder_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
     return runs
 
 
-def _content_hash(pixels: np.ndarray, grid: Grid | None) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    h.update(repr((pixels.shape, grid)).encode())
-    h.update(pixels.tobytes())
-    return h.hexdigest()
-
+def content_hash(data: bytes) -> str:
+    """The key of an image file in the scheduler's embedding cache (and its radix tag)."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()

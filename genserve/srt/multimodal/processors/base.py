@@ -1,8 +1,9 @@
 """What a vision-language family's processor says about its images, beside the checkpoint's own
-Hugging Face image processor (which makes the pixel arrays).
+Hugging Face image processor (which makes the pixel arrays, in the scheduler process).
 
-Torch-free: it runs in the gateway's tokenizer thread. A family file subclasses
-`VisionProcessor` and is named by its entry in `srt/models/registry.py`.
+Torch-free: it runs in the gateway's tokenizer thread, where it decides from the image's size
+alone how many placeholder tokens the image becomes. A family file subclasses `VisionProcessor`
+and is named by its entry in `srt/models/registry.py`.
 """
 
 from __future__ import annotations
@@ -25,13 +26,19 @@ class VisionProcessor(ABC):
 
     @classmethod
     @abstractmethod
-    def from_config(cls, config: dict[str, Any]) -> VisionProcessor:
-        """The rules of the checkpoint whose config.json is `config`; ValueError names a
-        missing field."""
+    def from_config(
+        cls, config: dict[str, Any], preprocessor: dict[str, Any]
+    ) -> VisionProcessor:
+        """The rules of the checkpoint whose config.json is `config` and whose
+        preprocessor_config.json is `preprocessor`; ValueError names a missing field."""
+
+    def image_grid(self, width: int, height: int) -> Grid | None:
+        """The patch grid (t, h, w) the HF image processor makes of a width x height image, for
+        families whose token count depends on the image's size; None for a fixed count."""
+        return None
 
     def grid(self, processed: Any) -> Grid | None:
-        """The image's patch grid (t, h, w) from the HF image processor's output, for families
-        whose token count depends on the image's size; None for a fixed count."""
+        """The patch grid of the HF image processor's output (checked against `image_grid`)."""
         return None
 
     @abstractmethod

@@ -14,7 +14,7 @@ class LlavaProcessor(VisionProcessor):
         self.tokens_per_image = tokens_per_image
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> LlavaProcessor:
+    def from_config(cls, config: dict[str, Any], preprocessor: dict[str, Any]) -> LlavaProcessor:
         token = config.get("image_token_index", config.get("image_token_id"))
         if token is None:
             raise ValueError("config.json of a LLaVA model needs image_token_index")
