@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from genserve import __version__
 from genserve.entrypoints import data_parallel
+from genserve.srt import server_args as llm_args
 
 
 def _add_llm_args(p: argparse.ArgumentParser) -> None:
@@ -21,21 +22,21 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
                         "SmolLM2-135M-Instruct and the vision-language demo model shapes-vl.")
     g.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                    help="Extra name under which the first LLM is served (repeatable).")
-    g.add_argument("--dtype", default=None, choices=("auto", "bfloat16", "float16", "float32"),
+    g.add_argument("--dtype", default=None, choices=llm_args.DTYPES,
                    help="Weights and activations dtype (default auto: the runtime picks).")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
-    g.add_argument("--quantization", default="auto", choices=("none", "int8wo", "int4wo", "auto"),
+    g.add_argument("--quantization", default="auto", choices=llm_args.QUANTIZATIONS,
                    help="Weight-only quantization of the linear layers (torchao). auto "
                         "(default) keeps a GGUF's precision (Q8 -> int8wo, Q4/Q5 -> int4wo, or "
                         "int8wo where int4 is not clearly faster) and leaves full-precision "
                         "checkpoints as they are.")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the batch-1 decode step (needs a C++ compiler on CPU): "
-                        "one chat streams ~2x faster, compiling takes 1-2 minutes at "
-                        "start-up. Default: on for int8wo/int4wo weights on a CPU with g++ or "
+                        "one chat streams faster (docs/benchmarks.md), compiling adds minutes "
+                        "to start-up. Default: on for int8wo/int4wo weights on a CPU with g++ or "
                         "clang++ and one rank, else off; --no-compile skips it.")
-    g.add_argument("--attention-backend", default=None, choices=("torch", "triton"))
-    g.add_argument("--schedule-policy", default="fcfs", choices=("fcfs", "lpm", "dfs-weight"))
+    g.add_argument("--attention-backend", default=None, choices=llm_args.ATTENTION_BACKENDS)
+    g.add_argument("--schedule-policy", default="fcfs", choices=llm_args.SCHEDULE_POLICIES)
     g.add_argument("--max-running-requests", type=int, default=64)
     g.add_argument("--max-queued-requests", type=int, default=None,
                    help="LLM waiting-queue limit (on top of --max-running-requests); "
@@ -53,7 +54,7 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
                         "processes (one GPU each on CUDA, gloo on CPU). Text models of the "
                         "Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2).")
     g.add_argument("--disable-radix-cache", action="store_true")
-    g.add_argument("--grammar-backend", default=None, choices=("xgrammar", "none"),
+    g.add_argument("--grammar-backend", default=None, choices=llm_args.GRAMMAR_BACKENDS,
                    help="Constrained decoding (json_schema / regex / ebnf, response_format, "
                         "tool_choice required). Default xgrammar.")
     g.add_argument("--disable-jump-forward", action="store_true",

@@ -14,16 +14,18 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import ExitStack
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from fastapi import Request
 
 from genserve.entrypoints.errors import APIError, bad_request, service_unavailable
 from genserve.entrypoints.metrics import RequestTimer
-from genserve.entrypoints.state import GatewayState
 from genserve.srt.client import LLMEngineClient
 from genserve.srt.messages import GenerateOutput, GenerateRequest
+
+if TYPE_CHECKING:
+    from genserve.entrypoints.state import GatewayState
 
 logger = logging.getLogger(__name__)
 

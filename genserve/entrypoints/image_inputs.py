@@ -5,12 +5,14 @@ decodes the bytes off the event loop."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from genserve.entrypoints.errors import bad_request
-from genserve.entrypoints.state import GatewayState
 from genserve.srt.client import LLMEngineClient
 from genserve.srt.multimodal.image_source import ImageFetchPolicy, ImageInputError, load_image_bytes
+
+if TYPE_CHECKING:
+    from genserve.entrypoints.state import GatewayState
 
 
 def fetch_policy(state: GatewayState) -> ImageFetchPolicy:

@@ -1,9 +1,10 @@
 """What one gateway app holds (no globals): its runtime clients, the serving object of every
 endpoint family, the shared admission and the metrics.
 
-Every router takes what it needs from here through a dependency: `Depends(get_state)` for the
-LLM families (their serving functions take the state), `Depends(get_image_serving)` and its
-siblings for the diffusion families. All of them read `app.state.gateway`."""
+Every endpoint family's router takes its serving object from here through a dependency
+(`Depends(get_native_serving)`, `Depends(get_image_serving)` and their siblings); the ops routes
+(/health, /v1/models, /metrics), which report on everything, take the state itself
+(`Depends(get_state)`). All of them read `app.state.gateway`."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ from genserve.entrypoints.images.serving import (
     ImageServing,
 )
 from genserve.entrypoints.metrics import GatewayMetrics
+from genserve.entrypoints.native.serving import NativeServing
+from genserve.entrypoints.openai_api.serving_chat import ChatServing
+from genserve.entrypoints.openai_api.serving_completions import CompletionServing
 from genserve.entrypoints.realtime.serving import RealtimeServing
 from genserve.entrypoints.videos.serving import (
     VIDEO_STORE_MAX_AGE_S,
@@ -42,6 +46,10 @@ class GatewayState:
     diffusion_client: DiffusionClient | None = None
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     admission: Admission = field(init=False)
+    # The LLM families' serving objects (answering 503 / 404 per request when no LLM serves).
+    native: NativeServing = field(init=False)
+    chat: ChatServing = field(init=False)
+    completions: CompletionServing = field(init=False)
     # The diffusion families' serving objects; None when no diffusion model is served.
     images: ImageServing | None = field(init=False, default=None)
     videos: VideoServing | None = field(init=False, default=None)
@@ -58,6 +66,9 @@ class GatewayState:
         for alias in self.config.served_model_names:
             self._by_name.setdefault(alias, self.llm_clients[0])
         self.admission = Admission(self.config.max_queued_requests, self.metrics)
+        self.native = NativeServing(self)
+        self.chat = ChatServing(self)
+        self.completions = CompletionServing(self)
         client = self.diffusion_client
         if client is not None:
             output_dir = envs.GENSERVE_OUTPUT_DIR.get()
@@ -107,6 +118,18 @@ class GatewayState:
 
 def get_state(conn: HTTPConnection) -> GatewayState:
     return conn.app.state.gateway
+
+
+def get_native_serving(conn: HTTPConnection) -> NativeServing:
+    return get_state(conn).native
+
+
+def get_chat_serving(conn: HTTPConnection) -> ChatServing:
+    return get_state(conn).chat
+
+
+def get_completion_serving(conn: HTTPConnection) -> CompletionServing:
+    return get_state(conn).completions
 
 
 def _no_diffusion() -> Exception:

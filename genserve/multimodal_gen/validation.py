@@ -95,8 +95,9 @@ def _check_steps_guidance(steps: int, guidance: float, spec: ModelSpec) -> None:
         )
 
 
-def _image_size(data: bytes, what: str) -> tuple[int, int]:
-    """(width, height) of an encoded image; ValueError when PIL cannot decode it."""
+def image_size(data: bytes, what: str) -> tuple[int, int]:
+    """(width, height) of an encoded image; ValueError when PIL cannot decode it. The one
+    place the gateway decodes an uploaded image (validation, /v1/images/edits, realtime)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -125,12 +126,12 @@ def _check_conditions(req: DiffusionRequest, spec: ModelSpec) -> tuple[int, int]
     if len(images) > spec.max_reference_images:
         raise ValueError(f"model {spec.name} takes at most {spec.max_reference_images} "
                          f"reference image(s), got {len(images)}")
-    sizes = [_image_size(data, f"reference image {i + 1}") for i, data in enumerate(images)]
+    sizes = [image_size(data, f"reference image {i + 1}") for i, data in enumerate(images)]
     if spec.task == INPAINTING:
         if mask is None:
             raise ValueError(f"model {spec.name} inpaints: the request needs a mask (white = "
                              "repaint, black = keep) the size of the image")
-        mask_size = _image_size(mask, "the mask")
+        mask_size = image_size(mask, "the mask")
         if mask_size != sizes[0]:
             raise ValueError(f"the mask is {mask_size[0]}x{mask_size[1]} but the image is "
                              f"{sizes[0][0]}x{sizes[0][1]}; they must be the same size")

@@ -23,14 +23,13 @@ from typing import Any
 
 from genserve.multimodal_gen.client import DiffusionEngineClient
 from genserve.multimodal_gen.messages import (
+    STATUS_UNAVAILABLE,
     DiffusionRequest,
     ErrorEvent,
     ModelSpec,
     ResultEvent,
     StepEvent,
 )
-
-STATUS_UNAVAILABLE = 503
 
 
 def shape_key(req: DiffusionRequest) -> tuple:

@@ -50,7 +50,7 @@ class _SchedulerLink:
 class AsyncEngine(LLMEngineClient):
     """Model folder resolution (GGUF conversion included) and the model itself live in the
     scheduler process, which reports the resolved folder; this process loads only the tokenizer
-    (and a vision model's image processor) from it, so it never imports torch. A scheduler
+    (and a vision model's placeholder rules) from it, so it never imports torch. A scheduler
     process that dies is restarted by `self.supervisor` with backoff; meanwhile requests get
     EngineDeadError (503)."""
 

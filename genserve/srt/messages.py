@@ -105,17 +105,21 @@ class GenerateOutput:
 
 @dataclass
 class ImageItem:
-    """One image of a request, preprocessed by the model's HF image processor.
+    """One image of a request: its encoded file, as the client sent it.
 
     Its `num_tokens` placeholder tokens are input_ids[offset : offset + num_tokens].
-    `content_hash` (hex) identifies the processed pixels: equal hashes mean equal embeddings.
+    `content_hash` (hex) identifies the file: equal hashes mean equal embeddings, so the
+    scheduler preprocesses and encodes an image only when its embedding cache lacks the hash.
     """
 
     content_hash: str
-    pixel_values: Any  # numpy array, layout as the processor makes it
+    data: bytes  # the encoded image (PNG, JPEG, WebP...)
     grid_thw: tuple[int, int, int] | None  # Qwen2-VL patch grid (t, h, w); None for LLaVA
     offset: int
     num_tokens: int
+    # Set in the scheduler process, on an embedding-cache miss: the pixel array the model's
+    # Hugging Face image processor made (numpy, the processor's layout).
+    pixel_values: Any = None
 
 
 @dataclass

@@ -21,7 +21,6 @@ from genserve.srt.layers.parallel import check_tp_experts, check_tp_size, split_
 from genserve.srt.layers.quantization import choose_quantization, quantize_model
 from genserve.srt.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from genserve.srt.model_config import ModelConfig
-from genserve.srt.model_loader import load_checkpoint, load_state_dict
 from genserve.srt.models.base import CausalLM, ModelKernels
 from genserve.srt.models.registry import get_model_class
 from genserve.srt.server_args import EngineArgs
@@ -49,46 +48,42 @@ def load_model(
 ) -> CausalLM:
     """Build the family's model on the meta device, give it empty storage in `dtype` on
     `device`, and stream the checkpoint into it: no weight ever exists in another dtype.
-    With a tensor-parallel group of size > 1 the model holds this rank's share."""
+    With a tensor-parallel group of size > 1 the model holds this rank's share.
+    Text and vision-language models load the same way."""
     model_cls = get_model_class(config.architecture)
-    if config.multimodal is not None:
-        return _load_vision_model(model_cls, config, folder, device, dtype)
     with torch.device("meta"):
         model = model_cls(config, kernels, tp) if tp is not None and tp.size > 1 else (
             model_cls(config, kernels))
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own copy of a shared parameter
-    for module in model.modules():  # buffers (the rotary tables) were meta: compute them
-        rebuild = getattr(module, "rebuild", None)
-        if callable(rebuild):
-            rebuild(device)
-    load_checkpoint(model, folder)
+    model.rebuild_buffers(device)  # buffers (the rotary tables) were meta: compute them
+    model.load_checkpoint(folder)
     return model.eval()
 
 
-def _load_vision_model(
-    model_cls: type, config: ModelConfig, folder: Path, device: torch.device, dtype: torch.dtype
-) -> torch.nn.Module:
-    """Vision-language models hold Hugging Face vision-tower modules, which are filled from the
-    whole state dict (towers are small next to the decoder) by the model's own load_weights."""
-    with torch.device("meta"):
-        model = model_cls(config)
-    model = model.to_empty(device=device)
-    model.tie_weights()
-    model.load_weights(load_state_dict(folder))
-    model.rebuild_buffers(device)  # buffers made on meta: rotary tables, position ids
-    model = model.to(dtype).eval()
-    model.tie_weights()
-    return model
+def choose_kernels(
+    args: EngineArgs, device: torch.device, model_cls: type[CausalLM]
+) -> ModelKernels:
+    """The norm, rotary and MoE kernels: as asked, else the device's (triton on CUDA); a
+    rotary kernel the family does not implement is refused, never silently swapped."""
+    kernel = "triton" if device.type == "cuda" else "torch"
+    supported = model_cls.rotary_kernels
+    rotary = args.rotary_kernel or (kernel if kernel in supported else supported[0])
+    if rotary not in supported:
+        raise ValueError(
+            f"--rotary-kernel {rotary} is not supported for {model_cls.__name__}; "
+            f"use one of {', '.join(supported)}"
+        )
+    return ModelKernels(
+        norm=args.norm_kernel or kernel, rotary=rotary, moe=args.moe_kernel or kernel
+    )
 
 
 def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
     """ValueError when this model cannot run on `tp_size` tensor-parallel ranks."""
     if tp_size == 1:
         return
-    if config.multimodal is not None:
-        raise ValueError("--tp is not supported for vision-language models yet")
-    if not getattr(get_model_class(config.architecture), "supports_tp", False):
+    if not get_model_class(config.architecture).supports_tp:
         raise ValueError(f"--tp is not supported for {config.architecture} yet")
     check_tp_size(config.num_attention_heads, config.num_key_value_heads, tp_size)
     experts = config.hf.get("num_local_experts") or config.hf.get("num_experts")
@@ -148,6 +143,7 @@ class ModelRunner:
         check_tensor_parallel(config, args.tp_size)
         self.args = args
         self.config = config
+        self.folder = folder
         self.tp = tp or TPGroup.single()
         # Set on rank 0 of a tensor-parallel group: every forward is sent to the other ranks.
         self.tp_workers: TPWorkers | None = None
@@ -162,18 +158,13 @@ class ModelRunner:
         backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.attention_backend_name = backend
         # Norm and rotary kernels follow the device, not the attention backend.
-        kernel = "triton" if self.device.type == "cuda" else "torch"
-        self.kernels = ModelKernels(
-            norm=args.norm_kernel or kernel,
-            rotary=args.rotary_kernel or kernel,
-            moe=args.moe_kernel or kernel,
-        )
+        self.kernels = choose_kernels(args, self.device, get_model_class(config.architecture))
         self.model = load_model(config, folder, self.device, self.dtype, self.kernels, self.tp)
         self.quantization = self._quantize(args.quantization, source_precision)
         if backend == "triton":
             unsupported = [
                 i.layer_id
-                for i in getattr(self.model, "attention_layers", list)()
+                for i in self.model.attention_layers()
                 if i.sliding_window is not None or i.logit_softcap is not None
             ]
             if unsupported:
@@ -208,11 +199,11 @@ class ModelRunner:
             return "none"
         if self.tp.size > 1:  # auto: the parallel layers run full-precision weights only
             return "none"  # (EngineArgs refuses the explicit modes with --tp > 1)
-        if self.config.multimodal is not None:
+        if not self.model.supports_quantization:
             if requested == "auto":
                 return "none"
             raise ValueError(
-                f"--quantization {requested} is not supported for vision-language models; "
+                f"--quantization {requested} is not supported for {self.config.architecture}; "
                 "use --quantization none"
             )
         choice = choose_quantization(requested, source_precision, self.model, self.device)
@@ -239,11 +230,11 @@ class ModelRunner:
         if not has_cpp_compiler():
             logger.info(
                 "compile: off (no C++ compiler found; with g++ or clang++ installed, "
-                "torch.compile makes a single chat ~2x faster)"
+                "torch.compile makes a single chat faster: docs/benchmarks.md)"
             )
             return False
         logger.info(
-            "compile: on for this CPU's %s weights (1-2 minutes at start-up; --no-compile "
+            "compile: on for this CPU's %s weights (it adds minutes to start-up; --no-compile "
             "skips it)",
             self.quantization,
         )

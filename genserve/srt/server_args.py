@@ -48,7 +48,8 @@ class EngineArgs:
     quantization: str = "none"
     # torch.compile the batch-1 decode forward (needs a C++ compiler on CPU); compiled at
     # start-up by a warm-up request. None (auto): on for weight-only quantized models on a CPU
-    # with a C++ compiler and one rank (the laptop chat, where it is ~2x faster), else off.
+    # with a C++ compiler and one rank (the laptop chat, where it pays: docs/benchmarks.md),
+    # else off.
     compile: bool | None = None
     # Vision-language models: byte budget of the image-embedding LRU, images per request.
     image_cache_bytes: int = 512 * 1024 * 1024

@@ -159,9 +159,9 @@ class TPWorkers:
 
 def forward_inputs(fb: ForwardBatch) -> ForwardInputs:
     """What the other ranks need to run the forward rank 0 is about to run."""
-    r2t = fb.req_to_token_pool.req_to_token
+    pool = fb.req_to_token_pool
     rows = fb.req_pool_indices.tolist()
-    slots = [r2t[row, :n] for row, n in zip(rows, fb.seq_lens_cpu, strict=True)]
+    slots = [pool.read(row, 0, n) for row, n in zip(rows, fb.seq_lens_cpu, strict=True)]
     return ForwardInputs(
         mode=fb.mode.value,
         rows=rows,
@@ -175,11 +175,11 @@ def forward_inputs(fb: ForwardBatch) -> ForwardInputs:
 
 def replay(runner, inputs: ForwardInputs) -> None:
     """Run rank 0's forward on this rank: the same rows of req_to_token, the same KV slots."""
-    r2t = runner.req_to_token_pool.req_to_token
-    slots = torch.tensor(inputs.token_slots, dtype=r2t.dtype, device=r2t.device)
+    pool = runner.req_to_token_pool
+    slots = torch.tensor(inputs.token_slots, dtype=torch.int64, device=pool.device)
     start, out_locs = 0, []
     for row, p, e in zip(inputs.rows, inputs.prefix_lens, inputs.extend_lens, strict=True):
-        r2t[row, : p + e] = slots[start : start + p + e]
+        pool.write(row, 0, slots[start : start + p + e])
         out_locs.append(slots[start + p : start + p + e])
         start += p + e
     fb = runner.build_forward_batch(

@@ -13,6 +13,9 @@ genserve.entrypoints.app.create_app(GatewayConfig(), [])
 import genserve.bench.serving, genserve.bench.http_vs_offline, genserve.bench.server_process
 # What AsyncEngine imports in the gateway process to start and feed its scheduler process.
 import genserve.srt.async_engine, genserve.srt.scheduler.process, genserve.supervision
+# A vision-language model's placeholder rules (image preprocessing runs in the scheduler).
+import genserve.srt.multimodal.processor, genserve.srt.multimodal.processors.qwen2_vl
+import genserve.srt.multimodal.processors.llava
 assert 'torch' not in sys.modules, 'torch was imported'
 """
 

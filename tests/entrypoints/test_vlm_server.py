@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import sys
 
 import httpx
 import pytest
 
-from tests.serve_process import serve_process
+from tests.serve_process import serve_process, serve_subprocess
 from tests.srt.vlm_models import hf_reference, make_tiny_llava, make_tiny_qwen2_vl, png_bytes
 
 pytestmark = pytest.mark.slow
@@ -65,6 +66,31 @@ def hf(vlm_folder):
 def openai_content(content: list) -> list[dict]:
     return [{"type": "image_url", "image_url": {"url": data_url(p), "detail": "auto"}}
             if isinstance(p, bytes) else {"type": "text", "text": p} for p in content]
+
+
+def _maps_torch(pid: int) -> bool:
+    """Whether the process has torch's C++ library mapped (it imported torch)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/maps")
+def test_the_gateway_process_stays_torch_free_while_serving_images(vlm_folder):
+    """Image preprocessing runs in the scheduler process; the gateway only reads image sizes."""
+    import psutil
+
+    with serve_subprocess("--no-diffusion", "--model-path", str(vlm_folder),
+                          "--max-total-tokens", "4096") as (proc, url):
+        content = [{"type": "image_url", "image_url": {"url": data_url(IMG_B)}},
+                   {"type": "text", "text": "what is the color of the shape ?"}]
+        body = {"model": vlm_folder.name, "max_tokens": 4,
+                "messages": [{"role": "user", "content": content}]}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert not _maps_torch(proc.pid), "the gateway process imported torch"
+        # The check can fail: the scheduler process (a child) runs the model on torch.
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any(_maps_torch(c.pid) for c in children)
 
 
 def test_openai_client_sends_images_and_gets_hf_tokens(server, hf):

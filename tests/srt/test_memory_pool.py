@@ -22,6 +22,11 @@ def test_req_to_token_pool_alloc_free_and_capacity():
     pool.check_integrity()
     pool.write(last[0], 2, torch.tensor([7, 8, 9]))
     assert pool.req_to_token[last[0], 2:5].tolist() == [7, 8, 9]
+    assert pool.read(last[0], 2, 5).tolist() == [7, 8, 9]
+    # One next-token slot per request: row r gets its slot at column cols[r].
+    pool.write_next([rows[0], last[0]], [0, 5], torch.tensor([4, 11]))
+    assert pool.read(rows[0], 0, 1).tolist() == [4]
+    assert pool.read(last[0], 2, 6).tolist() == [7, 8, 9, 11]
     pool.free(rows)
     pool.free(last[0])
     assert pool.available_size() == 3

@@ -11,24 +11,34 @@ from genserve.srt.model_config import ModelConfig
 from genserve.srt.model_loader import load_checkpoint, read_safetensors_header
 from genserve.srt.model_runner import load_model
 from genserve.srt.models.base import CausalLM, ModelKernels
-from genserve.srt.models.registry import get_model_class, supported_architectures
+from genserve.srt.models.registry import (
+    get_model_class,
+    get_processor_class,
+    supported_architectures,
+)
 
 VISION_LANGUAGE = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                    "LlavaForConditionalGeneration"}
 
 
 def test_every_registered_architecture_is_a_causal_lm():
-    """Text families are CausalLMs; vision-language models wrap one (their decoder) next to
-    Hugging Face's vision tower and encode images."""
+    """Every family is a CausalLM (one load path); vision-language models also encode images
+    and name their processor, text families name none."""
+    from genserve.srt.models.vlm_base import VisionLanguageModel
+    from genserve.srt.multimodal.processors.base import VisionProcessor
+
     archs = supported_architectures()
     assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"} <= set(archs)
     assert VISION_LANGUAGE <= set(archs)
     for arch in archs:
         cls = get_model_class(arch)
+        assert issubclass(cls, CausalLM), arch
+        processor = get_processor_class({"architectures": [arch]})
         if arch in VISION_LANGUAGE:
-            assert callable(cls.encode_images) and callable(cls.rebuild_buffers), arch
+            assert issubclass(cls, VisionLanguageModel), arch
+            assert processor is not None and issubclass(processor, VisionProcessor), arch
         else:
-            assert issubclass(cls, CausalLM), arch
+            assert processor is None, arch
 
 
 def test_unknown_architecture_is_refused_with_the_supported_list():

@@ -183,7 +183,7 @@ def test_more_ranks_than_experts_are_refused(tmp_path):
 def test_vision_language_models_are_refused(tmp_path):
     cfg = tf.Qwen2VLConfig(text_config={**TINY}, vision_config={"depth": 1})
     cfg.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="--tp is not supported for vision-language models"):
+    with pytest.raises(ValueError, match="--tp is not supported for Qwen2VLForConditional"):
         check_tensor_parallel(ModelConfig.from_folder(tmp_path), 2)
 
 

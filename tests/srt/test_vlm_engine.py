@@ -77,18 +77,21 @@ def test_prefix_cache_keys_carry_the_image(vlm):
     cold = Engine(str(vlm), dtype="float32", max_total_tokens=4096, disable_radix_cache=True)
     first = chat_ids(engine, [None, "what is the color of the shape ?"])
     second = chat_ids(engine, [None, "what is the color of the square ?"])
-    image_end = first.index(engine.vision.spec.image_token_id) + 16
+    image_end = first.index(engine.vision.rules.image_token_id) + 16
     a = engine.generate(input_ids=first, image_data=[IMG_D], sampling_params=GREEDY)
     # Same image, same leading text: the image's KV is shared.
     b = engine.generate(input_ids=second, image_data=[IMG_D], sampling_params=GREEDY)
     assert b["meta_info"]["cached_tokens"] > image_end
+    # The scheduler found the file's hash in its embedding cache: no preprocessing, no encoding.
     assert engine.server_info()["multimodal"]["images_encoded"] == 1
+    assert engine.server_info()["multimodal"]["images_preprocessed"] == 1
     # A different image (same size, same text) never matches past the image's start.
     c = engine.generate(
         input_ids=first, image_data=[png_bytes(112, 112, 99)], sampling_params=GREEDY
     )
-    assert c["meta_info"]["cached_tokens"] == first.index(engine.vision.spec.image_token_id)
+    assert c["meta_info"]["cached_tokens"] == first.index(engine.vision.rules.image_token_id)
     assert engine.server_info()["multimodal"]["images_encoded"] == 2
+    assert engine.server_info()["multimodal"]["images_preprocessed"] == 2
     for ids, img, out in (
         (first, IMG_D, a),
         (second, IMG_D, b),

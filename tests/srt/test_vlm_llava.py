@@ -41,7 +41,7 @@ def test_llava_greedy_equal_to_hf(llava):
     # Same image and leading text again: its tokens come from the prefix cache.
     again = engine.generate(input_ids=chat_ids(engine, [None, "what is the color ?"]),
                             image_data=[a], sampling_params=GREEDY)
-    image_end = prompts[0][0].index(engine.vision.spec.image_token_id)
-    assert again["meta_info"]["cached_tokens"] > image_end + engine.vision.spec.tokens_per_image
+    image_end = prompts[0][0].index(engine.vision.rules.image_token_id)
+    assert again["meta_info"]["cached_tokens"] > image_end + engine.vision.rules.tokens_per_image
     assert engine.server_info()["multimodal"]["images_encoded"] == 3
     engine.check_integrity()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from genserve.multimodal_gen.messages import (
     ModelSpec,
 )
 from genserve.multimodal_gen.output_store import OutputStore
+from genserve.multimodal_gen.validation import image_size
 
 IMAGE_STORE_MAX_BYTES = 1024**3  # 1 GiB of generated images on disk
 IMAGE_STORE_MAX_AGE_S = 24 * 3600.0
@@ -71,7 +71,11 @@ class ImageServing:
         if len(images) > 1:
             raise bad_request(f"model {spec.name!r} edits one image at a time, got "
                               f"{len(images)}", param="image")
-        size = _image_size(images[0])
+        try:
+            size = image_size(images[0], "the uploaded 'image'")
+        except ValueError:
+            raise bad_request("the uploaded 'image' is not an image file PIL can read (send a "
+                              "PNG, JPEG or WebP)", param="image") from None
         if not spec.supports_image_to_image:
             raise bad_request(f"model {spec.name!r} does not support image edits", param="model")
         if body.size in (None, "auto"):
@@ -147,13 +151,3 @@ class ImageServing:
         return found
 
 
-def _image_size(data: bytes) -> tuple[int, int]:
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            image.verify()
-            return image.size
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
-        raise bad_request("the uploaded 'image' is not an image file PIL can read (send a PNG, "
-                          "JPEG or WebP)", param="image") from None

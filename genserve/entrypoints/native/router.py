@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from genserve.entrypoints.native import serving
 from genserve.entrypoints.native.protocol import (
     AbortReq,
     DetokenizeReq,
     GenerateReqInput,
     TokenizeReq,
 )
-from genserve.entrypoints.state import GatewayState, get_state
+from genserve.entrypoints.native.serving import NativeServing
+from genserve.entrypoints.state import get_native_serving
+
+Serving = Annotated[NativeServing, Depends(get_native_serving)]
 
 
 def build_router() -> APIRouter:
@@ -22,46 +24,43 @@ def build_router() -> APIRouter:
 
     @router.post("/generate")
     async def generate(body: GenerateReqInput, request: Request,
-                       state: GatewayState = Depends(get_state)) -> Response:
-        return await serving.generate(state, body, request)
+                       serving: Serving) -> Response:
+        return await serving.generate(body, request)
 
     @router.get("/health_generate")
-    async def health_generate(state: GatewayState = Depends(get_state)) -> Response:
-        return await serving.health_generate(state)
+    async def health_generate(serving: Serving) -> Response:
+        return await serving.health_generate()
 
     @router.get("/get_model_info")
     @router.get("/model_info")  # SGLang's newer name; sglang-router asks for it first
-    async def get_model_info(model: str | None = None,
-                             state: GatewayState = Depends(get_state)) -> dict[str, Any]:
-        return serving.model_info(state, model)
+    async def get_model_info(serving: Serving, model: str | None = None) -> dict[str, Any]:
+        return serving.model_info(model)
 
     @router.get("/get_server_info")
     @router.get("/server_info")
-    async def get_server_info(model: str | None = None,
-                              state: GatewayState = Depends(get_state)) -> dict[str, Any]:
-        return await serving.server_info(state, model)
+    async def get_server_info(serving: Serving, model: str | None = None) -> dict[str, Any]:
+        return await serving.server_info(model)
 
     @router.get("/flush_cache")
     @router.post("/flush_cache")
-    async def flush_cache(model: str | None = None,
-                          state: GatewayState = Depends(get_state)) -> dict[str, Any]:
-        return await serving.flush_cache(state, model)
+    async def flush_cache(serving: Serving, model: str | None = None) -> dict[str, Any]:
+        return await serving.flush_cache(model)
 
     @router.post("/abort_request")
-    async def abort_request(body: AbortReq, model: str | None = None,
-                            state: GatewayState = Depends(get_state)) -> dict[str, Any]:
-        return await serving.abort_request(state, body.rid, model)
+    async def abort_request(body: AbortReq, serving: Serving,
+                            model: str | None = None) -> dict[str, Any]:
+        return await serving.abort_request(body.rid, model)
 
     @router.post("/tokenize")
     @router.post("/v1/tokenize")
     async def tokenize(body: TokenizeReq,
-                       state: GatewayState = Depends(get_state)) -> dict[str, Any]:
-        return serving.tokenize_prompts(state, body)
+                       serving: Serving) -> dict[str, Any]:
+        return serving.tokenize_prompts(body)
 
     @router.post("/detokenize")
     @router.post("/v1/detokenize")
     async def detokenize(body: DetokenizeReq,
-                         state: GatewayState = Depends(get_state)) -> dict[str, Any]:
-        return serving.detokenize_tokens(state, body)
+                         serving: Serving) -> dict[str, Any]:
+        return serving.detokenize_tokens(body)
 
     return router

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -30,9 +30,11 @@ from genserve.entrypoints.native.protocol import (
     SamplingParams,
     TokenizeReq,
 )
-from genserve.entrypoints.state import GatewayState
 from genserve.srt.client import LLMEngineClient
 from genserve.srt.messages import GenerateOutput, GenerateRequest
+
+if TYPE_CHECKING:
+    from genserve.entrypoints.state import GatewayState
 
 logger = logging.getLogger(__name__)
 
@@ -153,25 +155,6 @@ def _render(client: LLMEngineClient, out: GenerateOutput, with_text: bool) -> di
     return result
 
 
-async def generate(state: GatewayState, body: GenerateReqInput, request: Request) -> Response:
-    client = state.resolve_llm(body.model)
-    reqs, is_batch = await build_requests(state, client, body)
-    group = GenerationGroup(state, client, reqs, request)
-    await group.__aenter__()
-    try:
-        if not body.stream:
-            outs = await group.finals()
-            await group.__aexit__(None, None, None)
-            rendered = [_render(client, o, body.return_text_in_logprobs) for o in outs]
-            return JSONResponse(rendered if is_batch else rendered[0])
-        events = await primed(group.merged())
-    except BaseException:
-        await group.__aexit__(None, None, None)
-        raise
-    return sse.response(_stream(client, group, events, is_batch, body.return_text_in_logprobs),
-                        on_close=group.close)
-
-
 async def _stream(client: LLMEngineClient, group: GenerationGroup,
                   events: AsyncIterator[tuple[int, GenerateOutput]], is_batch: bool,
                   with_text: bool) -> AsyncIterator[bytes]:
@@ -188,26 +171,6 @@ async def _stream(client: LLMEngineClient, group: GenerationGroup,
     yield sse.DONE
 
 
-async def health_generate(state: GatewayState) -> Response:
-    """200 once every LLM produced one token; 503 otherwise."""
-    for client in state.llm_clients:
-        if not client.is_healthy():
-            raise service_unavailable(f"The engine serving {client.model_name!r} is down.")
-        rid = f"health-{new_rid()}"
-        req = GenerateRequest(rid=rid, input_ids=client.tokenize("Hello"),
-                              sampling_params={"max_new_tokens": 1, "temperature": 0.0})
-        try:
-            error = await asyncio.wait_for(_run_to_end(client, req), _HEALTH_GENERATE_TIMEOUT_S)
-        except (TimeoutError, asyncio.TimeoutError):
-            await client.abort(rid)
-            raise service_unavailable(
-                f"{client.model_name!r} did not generate a token within "
-                f"{_HEALTH_GENERATE_TIMEOUT_S:.0f} s.") from None
-        if error is not None:
-            raise service_unavailable(f"Health generation failed: {error}")
-    return JSONResponse({"status": "ok"})
-
-
 async def _run_to_end(client: LLMEngineClient, req: GenerateRequest) -> str | None:
     """Error message of the request, or None when it produced its output."""
     try:
@@ -217,15 +180,6 @@ async def _run_to_end(client: LLMEngineClient, req: GenerateRequest) -> str | No
     except ValueError as exc:
         return str(exc)
     return None
-
-
-def model_info(state: GatewayState, model: str | None) -> dict[str, Any]:
-    client = state.resolve_llm(model)
-    info = {"model_name": client.model_name, "context_length": client.context_length,
-            "is_generation": True}
-    info.update(client.model_info())
-    _add_router_fields(info, client.model_name)
-    return info
 
 
 def _add_router_fields(info: dict[str, Any], name: str) -> None:
@@ -241,65 +195,123 @@ def _add_router_fields(info: dict[str, Any], name: str) -> None:
     info.setdefault("dp_size", 1)
 
 
-async def server_info(state: GatewayState, model: str | None) -> dict[str, Any]:
-    client = state.resolve_llm(model)
-    info: dict[str, Any] = {
-        "version": __version__, "model_name": client.model_name,
-        "gateway_in_flight_reqs": state.in_flight.get(client.model_name, 0),
-        "max_queued_requests": state.config.max_queued_requests,
-    }
-    info.update(await client.server_info())
-    for key in ("model_path", "tokenizer_path", "architecture", "tp_size"):
-        if key in client.model_info():
-            info.setdefault(key, client.model_info()[key])
-    _add_router_fields(info, client.model_name)
-    state.metrics.update_server_info(client.model_name, info)
-    if state.diffusion_client is not None:  # its worker's state and self-check result
-        info["diffusion"] = state.diffusion_client.runtime_report()
-    info["time"] = time.time()
-    return info
+class NativeServing:
+    """The native (SGLang-compatible) API over the gateway's LLMs: /generate and runtime control.
+    One per app, on `GatewayState.native`; it reads the LLM registry, admission, metrics and
+    config of that state."""
 
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
 
-async def flush_cache(state: GatewayState, model: str | None) -> dict[str, Any]:
-    client = state.resolve_llm(model)
-    if not await client.flush_cache():
-        raise bad_request("Cannot flush the cache while requests are running; retry when idle.",
-                          code="requests_running")
-    return {"success": True, "message": "Cache flushed."}
+    async def generate(self, body: GenerateReqInput, request: Request) -> Response:
+        state = self.state
+        client = state.resolve_llm(body.model)
+        reqs, is_batch = await build_requests(state, client, body)
+        group = GenerationGroup(state, client, reqs, request)
+        await group.__aenter__()
+        try:
+            if not body.stream:
+                outs = await group.finals()
+                await group.__aexit__(None, None, None)
+                rendered = [_render(client, o, body.return_text_in_logprobs) for o in outs]
+                return JSONResponse(rendered if is_batch else rendered[0])
+            events = await primed(group.merged())
+        except BaseException:
+            await group.__aexit__(None, None, None)
+            raise
+        return sse.response(_stream(client, group, events, is_batch, body.return_text_in_logprobs),
+                            on_close=group.close)
 
+    async def health_generate(self) -> Response:
+        """200 once every LLM produced one token; 503 otherwise."""
+        state = self.state
+        for client in state.llm_clients:
+            if not client.is_healthy():
+                raise service_unavailable(f"The engine serving {client.model_name!r} is down.")
+            rid = f"health-{new_rid()}"
+            req = GenerateRequest(rid=rid, input_ids=client.tokenize("Hello"),
+                                  sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+            try:
+                error = await asyncio.wait_for(_run_to_end(client, req), _HEALTH_GENERATE_TIMEOUT_S)
+            except (TimeoutError, asyncio.TimeoutError):
+                await client.abort(rid)
+                raise service_unavailable(
+                    f"{client.model_name!r} did not generate a token within "
+                    f"{_HEALTH_GENERATE_TIMEOUT_S:.0f} s.") from None
+            if error is not None:
+                raise service_unavailable(f"Health generation failed: {error}")
+        return JSONResponse({"status": "ok"})
 
-async def abort_request(state: GatewayState, rid: str, model: str | None) -> dict[str, Any]:
-    clients = [state.resolve_llm(model)] if model else state.llm_clients
-    for client in clients:
-        if await client.abort(rid):
-            return {"success": True, "rid": rid}
-    raise not_found(f"No running or queued request has rid {rid!r}.", param="rid")
+    def model_info(self, model: str | None) -> dict[str, Any]:
+        state = self.state
+        client = state.resolve_llm(model)
+        info = {"model_name": client.model_name, "context_length": client.context_length,
+                "is_generation": True}
+        info.update(client.model_info())
+        _add_router_fields(info, client.model_name)
+        return info
 
+    async def server_info(self, model: str | None) -> dict[str, Any]:
+        state = self.state
+        client = state.resolve_llm(model)
+        info: dict[str, Any] = {
+            "version": __version__, "model_name": client.model_name,
+            "gateway_in_flight_reqs": state.in_flight.get(client.model_name, 0),
+            "max_queued_requests": state.config.max_queued_requests,
+        }
+        info.update(await client.server_info())
+        for key in ("model_path", "tokenizer_path", "architecture", "tp_size"):
+            if key in client.model_info():
+                info.setdefault(key, client.model_info()[key])
+        _add_router_fields(info, client.model_name)
+        state.metrics.update_server_info(client.model_name, info)
+        if state.diffusion_client is not None:  # its worker's state and self-check result
+            info["diffusion"] = state.diffusion_client.runtime_report()
+        info["time"] = time.time()
+        return info
 
-def tokenize_prompts(state: GatewayState, body: TokenizeReq) -> dict[str, Any]:
-    """SGLang's /tokenize: {tokens, count, max_model_len}; lists for a list of prompts."""
-    client = state.resolve_llm(body.model)
-    prompts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
-    try:
-        tokens = [client.encode(p, body.add_special_tokens) for p in prompts]
-    except ValueError as exc:
-        raise bad_request(str(exc), param="prompt") from exc
-    if isinstance(body.prompt, list):
-        return {"tokens": tokens, "count": [len(t) for t in tokens],
+    async def flush_cache(self, model: str | None) -> dict[str, Any]:
+        state = self.state
+        client = state.resolve_llm(model)
+        if not await client.flush_cache():
+            raise bad_request("Cannot flush the cache while requests are running; retry when idle.",
+                              code="requests_running")
+        return {"success": True, "message": "Cache flushed."}
+
+    async def abort_request(self, rid: str, model: str | None) -> dict[str, Any]:
+        state = self.state
+        clients = [state.resolve_llm(model)] if model else state.llm_clients
+        for client in clients:
+            if await client.abort(rid):
+                return {"success": True, "rid": rid}
+        raise not_found(f"No running or queued request has rid {rid!r}.", param="rid")
+
+    def tokenize_prompts(self, body: TokenizeReq) -> dict[str, Any]:
+        """SGLang's /tokenize: {tokens, count, max_model_len}; lists for a list of prompts."""
+        state = self.state
+        client = state.resolve_llm(body.model)
+        prompts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+        try:
+            tokens = [client.encode(p, body.add_special_tokens) for p in prompts]
+        except ValueError as exc:
+            raise bad_request(str(exc), param="prompt") from exc
+        if isinstance(body.prompt, list):
+            return {"tokens": tokens, "count": [len(t) for t in tokens],
+                    "max_model_len": client.context_length}
+        return {"tokens": tokens[0], "count": len(tokens[0]),
                 "max_model_len": client.context_length}
-    return {"tokens": tokens[0], "count": len(tokens[0]), "max_model_len": client.context_length}
 
-
-def detokenize_tokens(state: GatewayState, body: DetokenizeReq) -> dict[str, Any]:
-    """SGLang's /detokenize: {text}, a list of texts for a list of token lists."""
-    client = state.resolve_llm(body.model)
-    batch = bool(body.tokens) and isinstance(body.tokens[0], list)
-    lists = body.tokens if batch else [body.tokens]
-    vocab = client.model_info().get("vocab_size")
-    for ids in lists:
-        bad = [t for t in ids if t < 0 or (isinstance(vocab, int) and t >= vocab)]  # type: ignore[operator]
-        if bad:
-            raise bad_request(f"Token id {bad[0]} is outside the vocabulary [0, {vocab}).",
-                              param="tokens")
-    texts = [client.decode(list(ids)) for ids in lists]  # type: ignore[arg-type]
-    return {"text": texts if batch else texts[0]}
+    def detokenize_tokens(self, body: DetokenizeReq) -> dict[str, Any]:
+        """SGLang's /detokenize: {text}, a list of texts for a list of token lists."""
+        state = self.state
+        client = state.resolve_llm(body.model)
+        batch = bool(body.tokens) and isinstance(body.tokens[0], list)
+        lists = body.tokens if batch else [body.tokens]
+        vocab = client.model_info().get("vocab_size")
+        for ids in lists:
+            bad = [t for t in ids if t < 0 or (isinstance(vocab, int) and t >= vocab)]  # type: ignore[operator]
+            if bad:
+                raise bad_request(f"Token id {bad[0]} is outside the vocabulary [0, {vocab}).",
+                                  param="tokens")
+        texts = [client.decode(list(ids)) for ids in lists]  # type: ignore[arg-type]
+        return {"text": texts if batch else texts[0]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -20,9 +20,11 @@ from genserve.entrypoints.generation import (
     supports_grammar,
 )
 from genserve.entrypoints.openai_api.protocol import ResponseFormat, SamplingFields
-from genserve.entrypoints.state import GatewayState
 from genserve.srt.client import LLMEngineClient
 from genserve.srt.messages import GenerateOutput, GenerateRequest
+
+if TYPE_CHECKING:
+    from genserve.entrypoints.state import GatewayState
 
 # Extension fields copied as-is into the engine's sampling params.
 _PASSTHROUGH = ("temperature", "top_p", "stop", "frequency_penalty", "presence_penalty", "top_k",

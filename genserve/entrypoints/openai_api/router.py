@@ -6,9 +6,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from genserve.entrypoints.openai_api.protocol import ChatCompletionRequest, CompletionRequest
-from genserve.entrypoints.openai_api.serving_chat import create_chat_completion
-from genserve.entrypoints.openai_api.serving_completions import create_completion
-from genserve.entrypoints.state import GatewayState, get_state
+from genserve.entrypoints.openai_api.serving_chat import ChatServing
+from genserve.entrypoints.openai_api.serving_completions import CompletionServing
+from genserve.entrypoints.state import get_chat_serving, get_completion_serving
 
 
 def build_router() -> APIRouter:
@@ -16,12 +16,13 @@ def build_router() -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request,
-                               state: GatewayState = Depends(get_state)) -> Response:
-        return await create_chat_completion(state, body, request)
+                               serving: ChatServing = Depends(get_chat_serving)) -> Response:
+        return await serving.create_chat_completion(body, request)
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request,
-                          state: GatewayState = Depends(get_state)) -> Response:
-        return await create_completion(state, body, request)
+                          serving: CompletionServing = Depends(get_completion_serving)
+                          ) -> Response:
+        return await serving.create_completion(body, request)
 
     return router

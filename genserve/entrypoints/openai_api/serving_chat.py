@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -22,9 +22,11 @@ from genserve.entrypoints.openai_api import common, tools
 from genserve.entrypoints.openai_api.protocol import ChatCompletionRequest, ChatMessage
 from genserve.entrypoints.openai_api.reasoning import ReasoningParser, ReasoningStreamer
 from genserve.entrypoints.openai_api.tool_calls import ToolCallStreamer
-from genserve.entrypoints.state import GatewayState
 from genserve.srt.client import LLMEngineClient
 from genserve.srt.messages import GenerateOutput
+
+if TYPE_CHECKING:
+    from genserve.entrypoints.state import GatewayState
 
 
 def _template_messages(client: LLMEngineClient, messages: list[ChatMessage]
@@ -81,56 +83,6 @@ def _validate(body: ChatCompletionRequest) -> None:
             body.max_tokens != body.max_completion_tokens:
         raise bad_request("Give only one of 'max_tokens' and 'max_completion_tokens'.",
                           param="max_completion_tokens")
-
-
-async def create_chat_completion(state: GatewayState, body: ChatCompletionRequest,
-                                 request: Request) -> Response:
-    client = state.resolve_llm(body.model)
-    common.reject_unsupported(client, body)
-    _validate(body)
-    extra = common.grammar_params(client, body.response_format)
-    plan = tools.plan_tools(client, body, state.config.tool_call_parser,
-                            supports_grammar(client))
-    if plan is not None and plan.grammar:
-        if extra:
-            raise bad_request("Give either response_format or a forced tool_choice, not both.",
-                              param="response_format")
-        extra = plan.grammar
-    messages, image_urls = _template_messages(client, body.messages)
-    images = await load_images(state, client, image_urls, "messages")
-    try:
-        if plan is None:
-            prompt = client.apply_chat_template(messages, body.add_generation_prompt)
-        elif plan.own_rendering:
-            prompt = client.apply_chat_template(tools.own_tool_messages(messages, plan.tools),
-                                                body.add_generation_prompt)
-        else:
-            prompt = client.apply_chat_template(messages, body.add_generation_prompt,
-                                                tools=plan.tools)
-    except ValueError as exc:
-        raise bad_request(f"Cannot apply the chat template: {exc}", param="messages") from exc
-    ids = await tokenize(client, prompt)
-    mm_inputs = None
-    if images:
-        ids, mm_inputs = await process_images(client, ids, images, "messages")
-    max_new = body.max_completion_tokens or body.max_tokens
-    name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    check_context(client, len(ids), max_new, name)
-    if max_new is None:
-        max_new = default_max_new_tokens(client, len(ids))
-    params = common.sampling_params(body, max_new, extra)
-    reqs = common.fan_out(body, [ids], params, body.logprobs, body.top_logprobs or 0)
-    for req in reqs:
-        req.mm_inputs = mm_inputs
-    response_id = common.completion_id("chatcmpl")
-    name = state.config.reasoning_parser
-    reasoning = ReasoningParser(name) if name else None
-    return await common.respond(
-        state, client, reqs, request, bool(body.stream),
-        lambda outs: _full_response(client, body, response_id, outs, plan, reasoning),
-        lambda group, events: _stream(client, body, response_id, group, events, plan,
-                                      reasoning),
-    )
 
 
 def _message(out: GenerateOutput, plan: tools.ToolPlan | None,
@@ -234,3 +186,60 @@ async def _stream(client: LLMEngineClient, body: ChatCompletionRequest, response
     finally:
         await group.close()
     yield sse.DONE
+
+
+class ChatServing:
+    """OpenAI /v1/chat/completions over the gateway's LLMs (one per app, `GatewayState.chat`)."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+
+    async def create_chat_completion(self, body: ChatCompletionRequest,
+                                     request: Request) -> Response:
+        state = self.state
+        client = state.resolve_llm(body.model)
+        common.reject_unsupported(client, body)
+        _validate(body)
+        extra = common.grammar_params(client, body.response_format)
+        plan = tools.plan_tools(client, body, state.config.tool_call_parser,
+                                supports_grammar(client))
+        if plan is not None and plan.grammar:
+            if extra:
+                raise bad_request("Give either response_format or a forced tool_choice, not both.",
+                                  param="response_format")
+            extra = plan.grammar
+        messages, image_urls = _template_messages(client, body.messages)
+        images = await load_images(state, client, image_urls, "messages")
+        try:
+            if plan is None:
+                prompt = client.apply_chat_template(messages, body.add_generation_prompt)
+            elif plan.own_rendering:
+                prompt = client.apply_chat_template(tools.own_tool_messages(messages, plan.tools),
+                                                    body.add_generation_prompt)
+            else:
+                prompt = client.apply_chat_template(messages, body.add_generation_prompt,
+                                                    tools=plan.tools)
+        except ValueError as exc:
+            raise bad_request(f"Cannot apply the chat template: {exc}", param="messages") from exc
+        ids = await tokenize(client, prompt)
+        mm_inputs = None
+        if images:
+            ids, mm_inputs = await process_images(client, ids, images, "messages")
+        max_new = body.max_completion_tokens or body.max_tokens
+        name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        check_context(client, len(ids), max_new, name)
+        if max_new is None:
+            max_new = default_max_new_tokens(client, len(ids))
+        params = common.sampling_params(body, max_new, extra)
+        reqs = common.fan_out(body, [ids], params, body.logprobs, body.top_logprobs or 0)
+        for req in reqs:
+            req.mm_inputs = mm_inputs
+        response_id = common.completion_id("chatcmpl")
+        name = state.config.reasoning_parser
+        reasoning = ReasoningParser(name) if name else None
+        return await common.respond(
+            state, client, reqs, request, bool(body.stream),
+            lambda outs: _full_response(client, body, response_id, outs, plan, reasoning),
+            lambda group, events: _stream(client, body, response_id, group, events, plan,
+                                          reasoning),
+        )

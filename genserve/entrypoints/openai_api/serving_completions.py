@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -13,9 +13,11 @@ from genserve.entrypoints.errors import APIError, bad_request
 from genserve.entrypoints.generation import GenerationGroup, check_context, tokenize
 from genserve.entrypoints.openai_api import common
 from genserve.entrypoints.openai_api.protocol import CompletionRequest
-from genserve.entrypoints.state import GatewayState
 from genserve.srt.client import LLMEngineClient
 from genserve.srt.messages import GenerateOutput
+
+if TYPE_CHECKING:
+    from genserve.entrypoints.state import GatewayState
 
 
 async def _prompt_ids(client: LLMEngineClient, prompt: Any) -> list[list[int]]:
@@ -37,27 +39,6 @@ def _validate(body: CompletionRequest) -> None:
         raise bad_request("'suffix' is not supported.", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("'best_of' different from 'n' is not supported.", param="best_of")
-
-
-async def create_completion(state: GatewayState, body: CompletionRequest,
-                            request: Request) -> Response:
-    client = state.resolve_llm(body.model)
-    common.reject_unsupported(client, body)
-    _validate(body)
-    prompts = await _prompt_ids(client, body.prompt)
-    max_new = body.max_tokens or 16
-    for ids in prompts:
-        check_context(client, len(ids), max_new, "max_tokens")
-    params = common.sampling_params(body, max_new,
-                                    common.grammar_params(client, body.response_format))
-    want_logprobs = body.logprobs is not None
-    reqs = common.fan_out(body, prompts, params, want_logprobs, body.logprobs or 0)
-    response_id = common.completion_id("cmpl")
-    return await common.respond(
-        state, client, reqs, request, bool(body.stream),
-        lambda outs: _full_response(client, body, response_id, outs),
-        lambda group, events: _stream(client, body, response_id, len(reqs), group, events),
-    )
 
 
 def _full_response(client: LLMEngineClient, body: CompletionRequest, response_id: str,
@@ -106,3 +87,31 @@ async def _stream(client: LLMEngineClient, body: CompletionRequest, response_id:
     finally:
         await group.close()
     yield sse.DONE
+
+
+class CompletionServing:
+    """OpenAI /v1/completions over the gateway's LLMs (one per app, `GatewayState.completions`)."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+
+    async def create_completion(self, body: CompletionRequest,
+                                request: Request) -> Response:
+        state = self.state
+        client = state.resolve_llm(body.model)
+        common.reject_unsupported(client, body)
+        _validate(body)
+        prompts = await _prompt_ids(client, body.prompt)
+        max_new = body.max_tokens or 16
+        for ids in prompts:
+            check_context(client, len(ids), max_new, "max_tokens")
+        params = common.sampling_params(body, max_new,
+                                        common.grammar_params(client, body.response_format))
+        want_logprobs = body.logprobs is not None
+        reqs = common.fan_out(body, prompts, params, want_logprobs, body.logprobs or 0)
+        response_id = common.completion_id("cmpl")
+        return await common.respond(
+            state, client, reqs, request, bool(body.stream),
+            lambda outs: _full_response(client, body, response_id, outs),
+            lambda group, events: _stream(client, body, response_id, len(reqs), group, events),
+        )

@@ -134,8 +134,8 @@ def decode_frame(data: bytes) -> tuple[FrameHeader, np.ndarray]:
 
 
 def warm_up_encoders() -> None:
-    """Encode a tiny frame in every format once: the first WebP encode loads its codec (~70 ms),
-    which would otherwise delay a session's first preview."""
+    """Encode a tiny frame in every format once: the first WebP encode loads its codec, which
+    would otherwise delay a session's first preview."""
     tiny = np.zeros((8, 8, 3), dtype=np.uint8)
     for fmt in FrameFormat:
         encode_image(tiny, fmt, 80)

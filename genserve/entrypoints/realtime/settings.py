@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 from genserve.entrypoints.realtime.frames import FrameFormat
@@ -16,7 +15,7 @@ from genserve.multimodal_gen.messages import (
     ModelSpec,
     StepCacheConfig,
 )
-from genserve.multimodal_gen.validation import MAX_SEED, resolve_request
+from genserve.multimodal_gen.validation import MAX_SEED, image_size, resolve_request
 from genserve.srt.multimodal.image_source import ImageInputError, decode_inline
 
 # Pacing of final frames for models that have no frame rate (image models).
@@ -112,7 +111,11 @@ def resolve_settings(client: DiffusionEngineClient, msg: StartMessage) -> Sessio
     width, height = msg.width, msg.height
     if inputs["init_image"] is not None and width is None and height is None:
         # Image-to-image keeps the picture's size, as /v1/images/edits does.
-        width, height = _image_size(inputs["init_image"])
+        try:
+            width, height = image_size(inputs["init_image"], "images.0")
+        except ValueError:
+            raise ProtocolError("invalid_request", "images.0 could not be decoded as an image "
+                                "(PNG, JPEG or WebP).") from None
     draft = DiffusionRequest(
         request_id="realtime-check",
         model=model,
@@ -193,12 +196,3 @@ def _image_inputs(msg: StartMessage, spec: ModelSpec) -> dict[str, object]:
             "strength": msg.strength}
 
 
-def _image_size(data: bytes) -> tuple[int, int]:
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            return image.size
-    except (UnidentifiedImageError, OSError, ValueError):
-        raise ProtocolError("invalid_request", "images.0 could not be decoded as an image (PNG, "
-                            "JPEG or WebP).") from None

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from genserve.srt.server_args import KERNELS
+
 
 class RMSNorm(nn.Module):
     """`kernel="triton"` runs genserve.kernels.rmsnorm for the plain variant on 2-D inputs; the
@@ -20,8 +22,8 @@ class RMSNorm(nn.Module):
         weight_before_cast: bool = False,
     ) -> None:
         super().__init__()
-        if kernel not in ("torch", "triton"):
-            raise ValueError(f"norm kernel must be torch or triton, got {kernel!r}")
+        if kernel not in KERNELS:
+            raise ValueError(f"norm kernel must be one of {KERNELS}, got {kernel!r}")
         # Gemma stores w and scales by (1 + w), so its weight starts at zero.
         self.weight = nn.Parameter(
             torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size)

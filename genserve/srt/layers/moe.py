@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genserve.srt.server_args import KERNELS
+
 
 def select_experts(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
@@ -69,8 +71,8 @@ class FusedMoE(nn.Module):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
-        if kernel not in ("torch", "triton"):
-            raise ValueError(f"moe kernel must be torch or triton, got {kernel!r}")
+        if kernel not in KERNELS:
+            raise ValueError(f"moe kernel must be one of {KERNELS}, got {kernel!r}")
         start, count = experts or (0, num_experts)
         if not (0 <= start and 0 < count and start + count <= num_experts):
             raise ValueError(f"expert slice {experts} is not within {num_experts} experts")

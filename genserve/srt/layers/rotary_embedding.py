@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from genserve.srt.server_args import KERNELS
+
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
@@ -142,8 +144,8 @@ class RotaryEmbedding(nn.Module):
         table_rows: int | None = None,
     ) -> None:
         super().__init__()
-        if kernel not in ("torch", "triton"):
-            raise ValueError(f"rotary kernel must be torch or triton, got {kernel!r}")
+        if kernel not in KERNELS:
+            raise ValueError(f"rotary kernel must be one of {KERNELS}, got {kernel!r}")
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
         self.kernel = kernel

@@ -61,6 +61,17 @@ class ReqToTokenPool:
         """Store `slots` at columns [start, start + len(slots)) of `row`."""
         self.req_to_token[row, start : start + slots.numel()] = slots
 
+    def write_next(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
+        """Store slot i at column cols[i] of row rows[i] (each request's next token)."""
+        dev = self.device
+        r = torch.tensor(rows, dtype=torch.int64, device=dev)
+        c = torch.tensor(cols, dtype=torch.int64, device=dev)
+        self.req_to_token[r, c] = slots
+
+    def read(self, row: int, start: int, end: int) -> torch.Tensor:
+        """The slots at columns [start, end) of `row` (a view: clone to keep them)."""
+        return self.req_to_token[row, start:end]
+
     def alloc(self, n: int = 1) -> list[int] | None:
         if n < 0:
             raise ValueError(f"cannot allocate {n} rows")

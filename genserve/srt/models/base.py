@@ -14,6 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -22,8 +23,7 @@ from torch import nn
 from genserve.srt.forward_batch import ForwardBatch
 from genserve.srt.layers.attention.base import AttentionLayerInfo
 from genserve.srt.model_config import ModelConfig
-
-KERNELS = ("torch", "triton")
+from genserve.srt.server_args import KERNELS
 
 # What a tensor-parallel rank keeps of a checkpoint tensor: one slice (dim, start, length), or
 # several along one dim, concatenated (its rows of q, of k and of v in a fused qkv tensor).
@@ -135,6 +135,12 @@ class CausalLM(nn.Module, ABC):
     # Whether the family builds its layers for a tensor-parallel group (a `tp` constructor
     # argument); the runner refuses --tp > 1 for the others.
     supports_tp: ClassVar[bool] = False
+    # Whether weight-only quantization (--quantization int8wo / int4wo) applies to it; the
+    # runner refuses an explicit mode for the others and keeps them full-precision under auto.
+    supports_quantization: ClassVar[bool] = True
+    # The rotary kernels it implements; the runner picks the device's default among them and
+    # refuses a --rotary-kernel outside them.
+    rotary_kernels: ClassVar[tuple[str, ...]] = KERNELS
 
     config: ModelConfig
 
@@ -146,6 +152,20 @@ class CausalLM(nn.Module, ABC):
         """Share the input embedding with lm_head when the config ties them."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # type: ignore[attr-defined]
+
+    def rebuild_buffers(self, device: torch.device) -> None:
+        """Recompute on `device` the buffers that meta-device construction left empty (the
+        rotary tables)."""
+        for module in self.modules():
+            rebuild = getattr(module, "rebuild", None)
+            if callable(rebuild):
+                rebuild(device)
+
+    def load_checkpoint(self, folder: Path) -> None:
+        """Fill the parameters from the folder's safetensors (streamed, tensor by tensor)."""
+        from genserve.srt.model_loader import load_checkpoint
+
+        load_checkpoint(self, folder)
 
     def attention_layers(self) -> list[AttentionLayerInfo]:
         """What each attention layer asks of the backend (window, soft-cap, sizes)."""

@@ -10,17 +10,18 @@ from typing import Any
 import torch
 
 from genserve.srt.model_config import ModelConfig
-from genserve.srt.models.qwen2_vl import (
+from genserve.srt.models.base import ModelKernels
+from genserve.srt.models.vlm_base import (
     ImageSplicingLM,
     VisionLanguageModel,
     rebuild_hf_buffers,
 )
 
+_DEFAULT_KERNELS = ModelKernels()
+
 
 class LlavaForConditionalGeneration(VisionLanguageModel):
-    uses_mrope = False
-
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: ModelKernels = _DEFAULT_KERNELS) -> None:
         super().__init__()
         import transformers
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
@@ -30,20 +31,20 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         self.config = cfg
         self.feature_layer = hf_cfg.vision_feature_layer
         self.select_strategy = hf_cfg.vision_feature_select_strategy
-        self.language_model = ImageSplicingLM(cfg)
+        self.language_model = ImageSplicingLM(cfg, kernels)
         self.vision_tower = transformers.AutoModel.from_config(hf_cfg.vision_config)
         self.multi_modal_projector = LlavaMultiModalProjector(hf_cfg)
 
     # ---- model runner hooks -----------------------------------------------------------------
 
-    def rebuild_buffers(self, device: torch.device) -> None:
+    def rebuild_family_buffers(self, device: torch.device) -> None:
         for module in self.language_model.modules():  # the decoder's rotary tables
             rebuild = getattr(module, "rebuild", None)
             if callable(rebuild):
                 rebuild(device)
         rebuild_hf_buffers(self.vision_tower, device)
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:  # type: ignore[override]
         """Checkpoints name the parts `vision_tower.*`, `multi_modal_projector.*` and
         `language_model.model.*` / `language_model.lm_head.*` (older) or with a `model.`
         prefix and `lm_head.*` (newer)."""
@@ -81,5 +82,3 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         projected = self.multi_modal_projector(torch.cat(feats, dim=-1))  # [N, tokens, hidden]
         return list(projected)
 
-
-VLM_ARCHITECTURES = {"LlavaForConditionalGeneration": LlavaForConditionalGeneration}

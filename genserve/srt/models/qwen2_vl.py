@@ -11,10 +11,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from genserve.srt.forward_batch import ForwardBatch
 from genserve.srt.layers.rotary_embedding import _base_inv_freq, _rotate
 from genserve.srt.model_config import ModelConfig
-from genserve.srt.models.llama import LlamaForCausalLM
+from genserve.srt.models.base import ModelKernels
+from genserve.srt.models.vlm_base import (
+    ImageSplicingLM,
+    VisionLanguageModel,
+    rebuild_hf_buffers,
+)
+
+_DEFAULT_KERNELS = ModelKernels()
 
 
 class MRotaryEmbedding(nn.Module):
@@ -49,94 +55,22 @@ class MRotaryEmbedding(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-class ImageSplicingLM(LlamaForCausalLM):
-    """A Llama-family decoder whose prefill embeddings take the image embeddings at the image
-    placeholders (`fb.image_embeds`), and whose rotary reads `fb.mrope_positions` when set."""
-
-    supports_tp = False
-
-    def set_rotary(self, rotary: nn.Module) -> None:
-        for layer in self.layers:
-            layer.self_attn.rotary = rotary
-
-    @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:  # type: ignore[override]
-        hidden = self.embed_tokens(fb.input_ids)  # [tokens, hidden]
-        for start, emb in fb.image_embeds or ():
-            hidden[start : start + emb.shape[0]] = emb.to(hidden.dtype)
-        positions = fb.mrope_positions if fb.mrope_positions is not None else fb.positions
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, fb)
-        hidden = hidden.index_select(0, fb.logits_indices)
-        residual = residual.index_select(0, fb.logits_indices)  # type: ignore[union-attr]
-        hidden, _ = self.norm(hidden, residual)
-        return self.lm_head(hidden).float()
-
-
 class Qwen2VLLanguageModel(ImageSplicingLM):
     """The Qwen2 decoder of a Qwen2-VL checkpoint, with M-RoPE."""
 
-    def __init__(self, cfg: ModelConfig, mrope_section: list[int]) -> None:
-        super().__init__(cfg)
+    def __init__(
+        self, cfg: ModelConfig, mrope_section: list[int], kernels: ModelKernels = _DEFAULT_KERNELS
+    ) -> None:
+        super().__init__(cfg, kernels)
         self.mrope_section = mrope_section
         self.set_rotary(MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, mrope_section))
 
 
-def rebuild_hf_buffers(module: nn.Module, device: torch.device) -> None:
-    """Recompute the non-persistent buffers of Hugging Face modules built on the meta device
-    (rotary inverse frequencies, position-id ranges), which `to_empty` left uninitialized."""
-    for sub in module.modules():
-        names = getattr(sub, "_non_persistent_buffers_set", set())
-        if "inv_freq" in names:
-            with torch.device(device):
-                fresh = type(sub)(sub.config)
-            for name in names:
-                setattr(sub, name, getattr(fresh, name))
-        if "position_ids" in names:
-            n = sub.position_ids.shape[-1]
-            sub.position_ids = torch.arange(n, device=device).expand((1, -1))
-
-
-class VisionLanguageModel(nn.Module):
-    """What the model runner needs from a vision-language model: a registry decoder
-    (`language_model`) that takes the image embeddings, and one Hugging Face vision tower."""
-
-    language_model: ImageSplicingLM
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.language_model.layers
-
-    def tie_weights(self) -> None:
-        self.language_model.tie_weights()
-
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        return self.language_model(fb)
-
-    @staticmethod
-    def load_tower(tower: nn.Module, weights: dict[str, torch.Tensor]) -> None:
-        """Load a vision tower's weights; a missing or unexpected one is a start-up error
-        (non-persistent position-id buffers aside)."""
-        missing, unexpected = tower.load_state_dict(weights, strict=False)
-        missing = [k for k in missing if not k.endswith("position_ids")]
-        if missing or unexpected:
-            raise ValueError(
-                f"vision tower weights do not match the config: missing {missing[:4]}, "
-                f"unexpected {unexpected[:4]}"
-            )
-
-    def pixels(self, items: list[Any], tower: nn.Module) -> torch.Tensor:
-        """The items' pixel arrays, concatenated, on the decoder's device in the tower's dtype."""
-        device = self.language_model.embed_tokens.weight.device
-        dtype = next(tower.parameters()).dtype
-        return torch.cat([torch.from_numpy(it.pixel_values) for it in items]).to(device, dtype)
-
-
 class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     uses_mrope = True
+    rotary_kernels = ("torch",)  # M-RoPE has a torch implementation only
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: ModelKernels = _DEFAULT_KERNELS) -> None:
         super().__init__()
         import transformers
 
@@ -156,13 +90,13 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         text = hf_cfg.text_config
         rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
         section = list(rope.get("mrope_section") or [16, 24, 24])
-        self.language_model = Qwen2VLLanguageModel(cfg, section)
+        self.language_model = Qwen2VLLanguageModel(cfg, section, kernels)
         self.visual = tower._from_config(hf_cfg.vision_config)
         self.spatial_merge_size = hf_cfg.vision_config.spatial_merge_size
 
     # ---- model runner hooks -----------------------------------------------------------------
 
-    def rebuild_buffers(self, device: torch.device) -> None:
+    def rebuild_family_buffers(self, device: torch.device) -> None:
         lm = self.language_model
         with torch.device(device):
             lm.set_rotary(
@@ -170,7 +104,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
             )
         rebuild_hf_buffers(self.visual, device)
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:  # type: ignore[override]
         """HF checkpoints name the tower `visual.*` (or `model.visual.*`) and the decoder
         `model.*` (or `model.language_model.*`)."""
         vision: dict[str, torch.Tensor] = {}
@@ -196,8 +130,3 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         merged = out.pooler_output if hasattr(out, "pooler_output") else out
         return list(torch.split(merged, [it.num_tokens for it in items]))
 
-
-VLM_ARCHITECTURES = {
-    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
-    "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
-}

@@ -8,31 +8,44 @@ an unsupported checkpoint before anything is loaded or converted.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from genserve.srt.models.base import CausalLM
+    from genserve.srt.multimodal.processors.base import VisionProcessor
 
-# HF architecture name -> (module under genserve.srt.models, class name, HF model_type).
-# The model_type names the family of a config without `architectures` (a GGUF's metadata).
-_MODELS: dict[str, tuple[str, str, str]] = {
-    "LlamaForCausalLM": ("llama", "LlamaForCausalLM", "llama"),
-    "MistralForCausalLM": ("mistral", "MistralForCausalLM", "mistral"),
-    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM", "qwen2"),
-    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM", "qwen3"),
-    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM", "gemma2"),
-    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM", "gemma3_text"),
-    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM", "phi3"),
-    "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM", "olmo2"),
-    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM", "mixtral"),
-    "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2_moe"),
-    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
+
+class ModelEntry(NamedTuple):
+    module: str  # under genserve.srt.models
+    cls: str
+    # The HF model_type: names the family of a config without `architectures` (a GGUF's).
+    model_type: str
+    # Vision-language models: "module.Class" of the family's image rules, under
+    # genserve.srt.multimodal.processors. None for a text model.
+    processor: str | None = None
+
+
+_MODELS: dict[str, ModelEntry] = {
+    "LlamaForCausalLM": ModelEntry("llama", "LlamaForCausalLM", "llama"),
+    "MistralForCausalLM": ModelEntry("mistral", "MistralForCausalLM", "mistral"),
+    "Qwen2ForCausalLM": ModelEntry("qwen2", "Qwen2ForCausalLM", "qwen2"),
+    "Qwen3ForCausalLM": ModelEntry("qwen3", "Qwen3ForCausalLM", "qwen3"),
+    "Gemma2ForCausalLM": ModelEntry("gemma2", "Gemma2ForCausalLM", "gemma2"),
+    "Gemma3ForCausalLM": ModelEntry("gemma3", "Gemma3ForCausalLM", "gemma3_text"),
+    "Phi3ForCausalLM": ModelEntry("phi3", "Phi3ForCausalLM", "phi3"),
+    "Olmo2ForCausalLM": ModelEntry("olmo2", "Olmo2ForCausalLM", "olmo2"),
+    "MixtralForCausalLM": ModelEntry("mixtral", "MixtralForCausalLM", "mixtral"),
+    "Qwen2MoeForCausalLM": ModelEntry("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2_moe"),
+    "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
     # Vision-language models: Hugging Face's vision towers around a registry decoder.
-    "Qwen2VLForConditionalGeneration": (
-        "qwen2_vl", "Qwen2VLForConditionalGeneration", "qwen2_vl"),
-    "Qwen2_5_VLForConditionalGeneration": (
-        "qwen2_vl", "Qwen2VLForConditionalGeneration", "qwen2_5_vl"),
-    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration", "llava"),
+    "Qwen2VLForConditionalGeneration": ModelEntry(
+        "qwen2_vl", "Qwen2VLForConditionalGeneration", "qwen2_vl",
+        processor="qwen2_vl.Qwen2VLProcessor"),
+    "Qwen2_5_VLForConditionalGeneration": ModelEntry(
+        "qwen2_vl", "Qwen2VLForConditionalGeneration", "qwen2_5_vl",
+        processor="qwen2_vl.Qwen2VLProcessor"),
+    "LlavaForConditionalGeneration": ModelEntry(
+        "llava", "LlavaForConditionalGeneration", "llava", processor="llava.LlavaProcessor"),
 }
 
 
@@ -61,11 +74,22 @@ def resolve_architecture(hf_config: dict) -> str:
 
 
 def architecture_for_model_type(model_type: str) -> str | None:
-    return next((a for a, (_, _, t) in _MODELS.items() if t == model_type), None)
+    return next((a for a, e in _MODELS.items() if e.model_type == model_type), None)
 
 
 def get_model_class(architecture: str) -> type[CausalLM]:
     if architecture not in _MODELS:
         raise ValueError(unsupported_message(architecture))
-    module, name, _ = _MODELS[architecture]
-    return getattr(importlib.import_module(f"genserve.srt.models.{module}"), name)
+    entry = _MODELS[architecture]
+    return getattr(importlib.import_module(f"genserve.srt.models.{entry.module}"), entry.cls)
+
+
+def get_processor_class(hf_config: dict[str, Any]) -> type[VisionProcessor] | None:
+    """The image rules of a vision-language checkpoint (torch-free); None for a text model."""
+    for arch in hf_config.get("architectures") or []:
+        entry = _MODELS.get(arch)
+        if entry is not None and entry.processor is not None:
+            module, name = entry.processor.rsplit(".", 1)
+            package = "genserve.srt.multimodal.processors"
+            return getattr(importlib.import_module(f"{package}.{module}"), name)
+    return None

@@ -1,104 +1,62 @@
-"""Turns (prompt token ids, image files) into what the scheduler needs, with the checkpoint's
-own Hugging Face image processor: pixel arrays, expanded image placeholders, content hashes
-and, for M-RoPE models, the 3-D positions of the prompt.
+"""Turns (prompt token ids, image files) into what the scheduler needs: expanded image
+placeholders, the images' files and content hashes and, for families that need them (M-RoPE),
+the prompt's rotary positions. What differs between families lives in their `processors/`
+file, named by the model registry.
 
-Runs in the tokenizer manager (a worker thread of the gateway process), never on the event
-loop; it imports transformers only when a vision model is loaded, and sends numpy arrays.
+Runs in the tokenizer manager (a worker thread of the gateway process) and stays torch-free: it
+reads only each image's size (PIL). The pixel arrays are made in the scheduler process
+(`preprocess.py`), and only for images whose embeddings it has not cached.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from genserve.srt.messages import ImageItem, MultimodalInputs
+from genserve.srt.models.registry import get_processor_class
 from genserve.srt.multimodal.image_source import (
     DEFAULT_MAX_IMAGE_PIXELS,
     ImageInputError,
     open_image,
 )
-
-# Hugging Face architecture -> the family whose placeholder and position rules apply.
-VISION_ARCHITECTURES = {
-    "Qwen2VLForConditionalGeneration": "qwen2_vl",
-    "Qwen2_5_VLForConditionalGeneration": "qwen2_vl",
-    "LlavaForConditionalGeneration": "llava",
-}
+from genserve.srt.multimodal.processors.base import VisionProcessor
 
 
-def vision_family(config: dict[str, Any]) -> str | None:
-    for arch in config.get("architectures") or []:
-        if arch in VISION_ARCHITECTURES:
-            return VISION_ARCHITECTURES[arch]
-    return None
-
-
-@dataclass(frozen=True)
-class VisionSpec:
-    family: str
-    image_token_id: int
-    spatial_merge_size: int = 1  # Qwen2-VL merges merge x merge patches into one token
-    tokens_per_image: int = 0  # fixed count (LLaVA); 0 = from the image's grid (Qwen2-VL)
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> VisionSpec | None:
-        family = vision_family(config)
-        if family is None:
-            return None
-        vision = config.get("vision_config") or {}
-        if family == "qwen2_vl":
-            token = config.get("image_token_id")
-            if token is None:
-                raise ValueError("config.json of a Qwen2-VL model needs image_token_id")
-            return cls(family, int(token), int(vision.get("spatial_merge_size", 2)))
-        token = config.get("image_token_index", config.get("image_token_id"))
-        if token is None:
-            raise ValueError("config.json of a LLaVA model needs image_token_index")
-        # Features of every patch, plus CLIP's CLS token, minus one under "default" (which
-        # drops the first feature: CLS for CLIP).
-        patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
-        has_cls = str(vision.get("model_type", "clip_vision_model")).startswith("clip")
-        strategy = config.get("vision_feature_select_strategy", "default")
-        return cls(family, int(token), 1, patches + has_cls - (strategy == "default"))
+def read_vision_processor(folder: str | Path) -> VisionProcessor | None:
+    """The family rules of a model folder (config.json + preprocessor_config.json); None for a
+    text-only model."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    rules_cls = get_processor_class(config)
+    if rules_cls is None:
+        return None
+    path = folder / "preprocessor_config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder} is a vision model but has no preprocessor_config.json")
+    return rules_cls.from_config(config, json.loads(path.read_text()))
 
 
 class VisionInputProcessor:
-    """Preprocesses a vision-language model's images with its Hugging Face image processor."""
+    """Expands a vision-language model's image placeholders (gateway side, no torch)."""
 
     def __init__(
         self,
-        spec: VisionSpec,
-        image_processor: Any,
+        rules: VisionProcessor,
         max_images: int,
         max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     ) -> None:
-        self.spec = spec
-        self.image_processor = image_processor
+        self.rules = rules
         self.max_images = max_images
         self.max_pixels = max_pixels
 
     @classmethod
     def from_folder(cls, folder: str | Path, max_images: int) -> VisionInputProcessor | None:
         """None for a text-only model folder."""
-        folder = Path(folder)
-        config = json.loads((folder / "config.json").read_text())
-        spec = VisionSpec.from_config(config)
-        if spec is None:
-            return None
-        from transformers import AutoImageProcessor
-
-        try:
-            image_processor = AutoImageProcessor.from_pretrained(str(folder))
-        except (OSError, ValueError) as exc:
-            raise ValueError(
-                f"{folder} is a vision model but has no image processor: {exc}"
-            ) from exc
-        return cls(spec, image_processor, max_images)
+        rules = read_vision_processor(folder)
+        return cls(rules, max_images) if rules is not None else None
 
     def process(
         self, input_ids: list[int], images: list[bytes]
@@ -109,7 +67,7 @@ class VisionInputProcessor:
                 f"{len(images)} images were given; this model takes at most {self.max_images} "
                 "per request"
             )
-        runs = _placeholder_runs(input_ids, self.spec.image_token_id)
+        runs = _placeholder_runs(input_ids, self.rules.image_token_id)
         if len(runs) != len(images):
             raise ImageInputError(
                 f"the prompt has {len(runs)} image placeholders but {len(images)} images were given"
@@ -119,48 +77,41 @@ class VisionInputProcessor:
         prev = 0
         for k, ((start, length), data) in enumerate(zip(runs, images)):
             try:
-                pixels, grid = self._preprocess(data)
+                grid = self._grid(data)
             except ImageInputError as exc:
                 raise ImageInputError(f"image {k}: {exc}") from None
-            count = self._num_tokens(grid)
+            count = self.rules.num_tokens(grid)
             if length not in (1, count):
                 raise ImageInputError(
                     f"image {k} has {length} placeholder tokens; give 1 (or {count})"
                 )
             ids.extend(input_ids[prev:start])
-            items.append(ImageItem(_content_hash(pixels, grid), pixels, grid, len(ids), count))
-            ids.extend([self.spec.image_token_id] * count)
+            items.append(ImageItem(content_hash(data), data, grid, len(ids), count))
+            ids.extend([self.rules.image_token_id] * count)
             prev = start + length
         ids.extend(input_ids[prev:])
         mm = MultimodalInputs(items)
-        if self.spec.family == "qwen2_vl":
-            mm.mrope_positions, mm.mrope_delta = mrope_positions(
-                len(ids), items, self.spec.spatial_merge_size
-            )
+        positions = self.rules.positions(len(ids), items)
+        if positions is not None:
+            mm.mrope_positions, mm.mrope_delta = positions
         return ids, mm
 
     def check_text_only(self, input_ids: list[int]) -> None:
         """A prompt sent without images must not contain image placeholders."""
-        runs = _placeholder_runs(input_ids, self.spec.image_token_id)
+        runs = _placeholder_runs(input_ids, self.rules.image_token_id)
         if runs:
             raise ImageInputError(
                 f"the prompt has {len(runs)} image placeholders but no images were given"
             )
 
-    def _preprocess(self, data: bytes) -> tuple[np.ndarray, tuple[int, int, int] | None]:
+    def _grid(self, data: bytes) -> Any:
+        """The image's patch grid from its size; decoding it here also refuses, with a 400,
+        what the scheduler could not decode."""
         image = open_image(data, self.max_pixels)
-        out = self.image_processor(images=[image], return_tensors="np")
-        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
-        if self.spec.family == "qwen2_vl":
-            t, h, w = (int(x) for x in out["image_grid_thw"][0])
-            return pixels, (t, h, w)
-        return pixels, None
-
-    def _num_tokens(self, grid: tuple[int, int, int] | None) -> int:
-        if grid is None:
-            return self.spec.tokens_per_image
-        t, h, w = grid
-        return t * h * w // self.spec.spatial_merge_size**2
+        try:
+            return self.rules.image_grid(*image.size)
+        except ValueError as exc:
+            raise ImageInputError(str(exc)) from None
 
 
 def _placeholder_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
@@ -179,36 +130,6 @@ def _placeholder_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
     return runs
 
 
-def _content_hash(pixels: np.ndarray, grid: tuple[int, int, int] | None) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    h.update(repr((pixels.shape, grid)).encode())
-    h.update(pixels.tobytes())
-    return h.hexdigest()
-
-
-def mrope_positions(n: int, items: list[ImageItem], merge: int) -> tuple[np.ndarray, int]:
-    """Qwen2-VL's 3-D rotary positions ([3, n] int64) and the shift of the positions after them.
-
-    Text tokens advance all three axes together; an image's tokens get (t, row, col) of its
-    merged patch grid, offset by the position where the image starts, and the text after it
-    resumes at that start + max(rows, cols).
-    """
-    pos = np.empty((3, n), dtype=np.int64)
-    cur, prev = 0, 0
-    for item in items:
-        assert item.grid_thw is not None
-        text = item.offset - prev
-        pos[:, prev : item.offset] = np.arange(cur, cur + text)
-        cur += text
-        t, h, w = item.grid_thw
-        h, w = h // merge, w // merge
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
-        end = item.offset + item.num_tokens
-        pos[0, item.offset : end] = tt.reshape(-1) + cur
-        pos[1, item.offset : end] = hh.reshape(-1) + cur
-        pos[2, item.offset : end] = ww.reshape(-1) + cur
-        cur += max(h, w)
-        prev = end
-    pos[:, prev:] = np.arange(cur, cur + n - prev)
-    delta = int(pos.max()) + 1 - n if n else 0
-    return pos, delta
+def content_hash(data: bytes) -> str:
+    """The key of an image file in the scheduler's embedding cache (and its radix tag)."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()

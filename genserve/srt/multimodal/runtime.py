@@ -1,23 +1,34 @@
-"""The scheduler's side of vision-language models: runs the vision encoder once per distinct
-image (through the image-embedding cache) and gives each forward pass the embeddings to
-splice in and, for M-RoPE models, the 3-D positions of its tokens."""
+"""The scheduler's side of vision-language models: preprocesses and encodes each distinct image
+once (through the image-embedding cache, keyed by the file's hash) and gives each forward pass
+the embeddings to splice in and, for M-RoPE models, the 3-D positions of its tokens."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from genserve.srt.multimodal.embedding_cache import ImageEmbeddingCache
+from genserve.srt.multimodal.preprocess import ImagePreprocessor
+
+if TYPE_CHECKING:
+    from genserve.srt.scheduler.batch import ExtendBatch
 
 
 class MultimodalRuntime:
     """`model` exposes `encode_images(items) -> list[Tensor [num_tokens, hidden]]` and
-    `uses_mrope`."""
+    `uses_mrope`; `preprocessor` makes the items' pixel arrays."""
 
-    def __init__(self, model: Any, device: torch.device, budget_bytes: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        preprocessor: ImagePreprocessor,
+        device: torch.device,
+        budget_bytes: int,
+    ) -> None:
         self.model = model
+        self.preprocessor = preprocessor
         self.device = device
         self.cache = ImageEmbeddingCache(budget_bytes)
         self.images_encoded = 0
@@ -25,10 +36,11 @@ class MultimodalRuntime:
 
     # ---- per forward pass -------------------------------------------------------------------
 
-    def prepare_extend(self, spans: list[tuple[Any, int, int]]) -> dict[str, Any]:
-        """spans: (req, prefix_len, extend_len) in batch order; the new tokens of span i are
-        the batch rows [sum of earlier extend_lens, + extend_len). Returns keyword arguments
-        for `ModelRunner.build_forward_batch`."""
+    def prepare_extend(self, batch: ExtendBatch) -> dict[str, Any]:
+        """The new tokens of batch row i are the forward's token rows [sum of earlier
+        extend_lens, + extend_len). Returns keyword arguments for
+        `ModelRunner.build_forward_batch`."""
+        spans = [(r.req, r.prefix_len, r.extend_len) for r in batch]
         needed = []  # (batch row of the first token, item, [a, b) rows of its embedding, req)
         row = 0
         for req, prefix, n in spans:
@@ -49,7 +61,8 @@ class MultimodalRuntime:
             else:
                 missing.setdefault(key, item)
         if missing:
-            embeds = self.model.encode_images(list(missing.values()))
+            items = [self.preprocessor.with_pixels(item) for item in missing.values()]
+            embeds = self.model.encode_images(items)
             self.encoder_calls += 1
             self.images_encoded += len(missing)
             for key, emb in zip(missing, embeds):
@@ -115,6 +128,7 @@ class MultimodalRuntime:
 
     def info(self) -> dict[str, Any]:
         return {
+            "images_preprocessed": self.preprocessor.images_preprocessed,
             "images_encoded": self.images_encoded,
             "encoder_calls": self.encoder_calls,
             "cached_images": len(self.cache),
@@ -129,4 +143,5 @@ def create_multimodal_runtime(runner: Any, args: Any) -> MultimodalRuntime | Non
     """The runtime of a vision-language model's images; None for a text-only model."""
     if not hasattr(runner.model, "encode_images"):
         return None
-    return MultimodalRuntime(runner.model, runner.device, args.image_cache_bytes)
+    preprocessor = ImagePreprocessor.from_folder(runner.folder)
+    return MultimodalRuntime(runner.model, preprocessor, runner.device, args.image_cache_bytes)

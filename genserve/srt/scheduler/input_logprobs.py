@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from genserve.srt.scheduler.batch import ExtendBatch
     from genserve.srt.scheduler.req import Req
 
 
@@ -29,14 +30,15 @@ class ScoredRows:
     spans: list[tuple[Req, int, int, int]] = field(default_factory=list)
 
 
-def plan_scored_rows(batch: list[tuple[Req, int, int]]) -> ScoredRows | None:
-    """Rows to compute for an extend batch of (req, prefix_len, extend_len); None when no
-    request scores its prompt (the model then computes only the last row of each)."""
-    if not any(req.input_scores_pending for req, _, _ in batch):
+def plan_scored_rows(batch: ExtendBatch) -> ScoredRows | None:
+    """Rows to compute for an extend batch; None when no request scores its prompt (the
+    model then computes only the last row of each)."""
+    if not any(row.req.input_scores_pending for row in batch):
         return None
     plan = ScoredRows()
     offset = 0  # first row of this request among the forward's new tokens
-    for req, prefix, n in batch:
+    for row in batch:
+        req, prefix, n = row.req, row.prefix_len, row.extend_len
         if req.input_scores_pending:
             # [lo, hi): positions of this chunk that score the next prompt token
             lo = max(req.logprob_start_len, prefix)

@@ -1,5 +1,5 @@
-"""The scheduler's checks and reports: why a request cannot run at all, the KV accounting
-check, the info dict and the per-step debug line."""
+"""The scheduler's checks and reports: the KV accounting check, the info dict and the per-step
+debug line."""
 
 from __future__ import annotations
 
@@ -10,51 +10,18 @@ from typing import TYPE_CHECKING, Any
 from genserve.srt.mem_cache import IntegrityError
 
 if TYPE_CHECKING:
-    from genserve.srt.scheduler.req import Req
+    from genserve.srt.scheduler.batch import ExtendBatch
     from genserve.srt.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 
-def admission_error(s: Scheduler, req: Req) -> str | None:
-    """Why `req` can never run on this scheduler (a 400 message), or None."""
-    n_in, max_new = len(req.origin_input_ids), req.params.max_new_tokens
-    vocab = s.vocab_size
-    if n_in == 0:
-        return "the prompt is empty: at least one input token is required"
-    if n_in + max_new > s.context_length:
-        return (
-            f"prompt ({n_in} tokens) + max_new_tokens ({max_new}) = {n_in + max_new} exceeds "
-            f"the context length ({s.context_length})"
-        )
-    if n_in + max_new > s.max_total_tokens:
-        return (
-            f"prompt ({n_in} tokens) + max_new_tokens ({max_new}) can never fit in the KV "
-            f"pool ({s.max_total_tokens} tokens); lower max_new_tokens or raise "
-            "--max-total-tokens"
-        )
-    if any(t < 0 or t >= vocab for t in req.origin_input_ids):
-        return f"input token ids must be in [0, {vocab})"
-    if any(t >= vocab for t, _ in req.params.logit_bias):
-        return f"logit_bias token ids must be in [0, {vocab})"
-    if req.params.grammar_key is not None and s.grammar is None:
-        return "constrained decoding is disabled on this server (--grammar-backend none)"
-    if req.token_ids_logprob and max(req.token_ids_logprob) >= vocab:
-        return f"token_ids_logprob ids must be in [0, {vocab})"
-    if req.mm_inputs is not None and s.mm is None:
-        return "this model does not take image inputs"
-    return None
-
-
-def log_step(batch: list[tuple[Req, int, int]], mixed: set[int], n_running: int,
-             seconds: float, waiting: int) -> None:
+def log_step(batch: ExtendBatch, n_running: int, seconds: float, waiting: int) -> None:
     """One debug line per scheduler step (mixed-in decodes are 1-token extends in `batch`)."""
     if batch:
-        what = (
-            f"prefill {len(batch) - len(mixed)} reqs "
-            f"{sum(e for _, _, e in batch) - len(mixed)} tokens"
-        )
-        what += f" + decode {len(mixed)}" if mixed else ""
+        mixed = batch.num_decoding
+        what = f"prefill {len(batch) - mixed} reqs {batch.num_tokens - mixed} tokens"
+        what += f" + decode {mixed}" if mixed else ""
     else:
         what = f"decode {n_running}"
     logger.debug("step %s: %.1f ms, %d waiting", what, seconds * 1e3, waiting)

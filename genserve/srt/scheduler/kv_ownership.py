@@ -13,12 +13,11 @@ from genserve.srt.scheduler.req import Req
 
 def insert_prefix(req: Req, req_to_token_pool: Any, cache: Any) -> None:
     """Hand the request's computed KV to the cache; it keeps using the cache's slots."""
-    r2t = req_to_token_pool.req_to_token
-    kv = r2t[req.row, : req.kv_len].clone()
+    kv = req_to_token_pool.read(req.row, 0, req.kv_len).clone()
     new_kv, new_prefix, node = cache.cache_unfinished_req(
         req.key_ids[: req.kv_len], kv, req.cache_prefix_len, req.last_node, req.namespace
     )
-    r2t[req.row, : req.kv_len] = new_kv
+    req_to_token_pool.write(req.row, 0, new_kv)
     req.cache_prefix_len, req.last_node = new_prefix, node
 
 
@@ -28,7 +27,7 @@ def release_req(req: Req, req_to_token_pool: Any, allocator: Any, cache: Any,
     `insert`, else to the free list), its cache lock and its req_to_token row."""
     if req.row is None:
         return
-    kv = req_to_token_pool.req_to_token[req.row, : req.kv_len].clone()
+    kv = req_to_token_pool.read(req.row, 0, req.kv_len).clone()
     if insert:
         cache.cache_finished_req(
             req.key_ids[: req.kv_len], kv, req.cache_prefix_len, req.last_node, req.namespace

@@ -83,8 +83,8 @@ class DFSWeightPolicy(SchedulePolicy):
                 c for c in getattr(node, "children", {}).values() if weight.get(id(c), 0) > 0
             ]
             stack.extend((c, False) for c in worst_first(children))
-        seen = {id(r) for r in out}
-        out.extend(r for r, _, _ in matched if id(r) not in seen)
+        seen = {r.rid for r in out}
+        out.extend(r for r, _, _ in matched if r.rid not in seen)
         return out
 
 

@@ -21,6 +21,8 @@ from genserve.srt.messages import ReqOutput, TokenizedGenerateReq
 from genserve.srt.model_runner import ModelRunner
 from genserve.srt.multimodal.runtime import create_multimodal_runtime
 from genserve.srt.sampling import Sampler, SamplingBatchInfo
+from genserve.srt.scheduler.admission import AdmissionLimits, admission_error
+from genserve.srt.scheduler.batch import ExtendBatch
 from genserve.srt.scheduler.grammar_queue import GrammarQueue, apply_grammar_masks
 from genserve.srt.scheduler.input_logprobs import (
     plan_scored_rows,
@@ -28,7 +30,6 @@ from genserve.srt.scheduler.input_logprobs import (
     score_token_ids,
 )
 from genserve.srt.scheduler.introspection import (
-    admission_error,
     check_scheduler_integrity,
     log_step,
     scheduler_info,
@@ -77,6 +78,13 @@ class Scheduler:
         # Constrained requests whose grammar is compiling.
         self.compiling = GrammarQueue(self.grammar, args.grammar_compile_timeout_s) if (
             self.grammar is not None) else None
+        self.limits = AdmissionLimits(
+            context_length=self.context_length,
+            max_total_tokens=self.max_total_tokens,
+            vocab_size=self.vocab_size,
+            constrained_decoding=self.grammar is not None,
+            images=self.mm is not None,
+        )
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None  # a prefill split over several forwards
@@ -96,7 +104,7 @@ class Scheduler:
     def add_request(self, msg: TokenizedGenerateReq) -> ReqOutput | None:
         """Queue a request; returns an immediate final output if it cannot run at all."""
         req = Req(msg, self.tokenizer, self.device)
-        error = admission_error(self, req)
+        error = admission_error(self.limits, req)
         if error is not None:
             req.finish_abort(error, status=400)
             return req.make_output()
@@ -138,10 +146,9 @@ class Scheduler:
         t0 = time.perf_counter()
         n_running = len(self.running)
         batch = self._schedule_prefill()
-        mixed: set[int] = set()
         if batch:
-            mixed = self._mix_in_decode(batch)
-            self._run_prefill(batch, mixed, outputs)
+            self._mix_in_decode(batch)
+            self._run_prefill(batch, outputs)
         elif any(r.seq_len - r.kv_len > 1 for r in self.running):
             self._run_extend_running(outputs)  # jump-forward tokens need their KV
         elif self.running:
@@ -149,7 +156,7 @@ class Scheduler:
         else:
             return outputs
         if logger.isEnabledFor(logging.DEBUG):
-            log_step(batch, mixed, n_running, time.perf_counter() - t0, len(self.waiting))
+            log_step(batch, n_running, time.perf_counter() - t0, len(self.waiting))
         return outputs
 
     def _reap_aborted(self, outputs: list[ReqOutput]) -> None:
@@ -173,10 +180,10 @@ class Scheduler:
             total += int(min(left, _DECODE_RESERVE_CLIP) * _DECODE_RESERVE_RATIO)
         return total
 
-    def _schedule_prefill(self) -> list[tuple[Req, int, int]]:
-        """Pick requests to prefill: (req, prefix_len, extend_len) with KV allocated."""
+    def _schedule_prefill(self) -> ExtendBatch:
+        """Pick requests to prefill, with KV allocated for their new tokens."""
         budget = self.args.chunked_prefill_size
-        batch: list[tuple[Req, int, int]] = []
+        batch = ExtendBatch()
         if self.chunked is not None:
             req, self.chunked = self.chunked, None
             extend = min(req.seq_len - req.kv_len, budget)
@@ -184,8 +191,8 @@ class Scheduler:
                 # Cannot continue the chunk now: give its KV back and queue it again.
                 self._release(req, insert=True)
                 self.waiting.insert(0, req)
-                return []
-            batch.append((req, req.kv_len, extend))
+                return batch
+            batch.add(req, req.kv_len, extend)
             budget -= extend
             if req.kv_len + extend < req.seq_len:
                 return batch
@@ -229,13 +236,13 @@ class Scheduler:
             if not self._alloc_extend(req, prefix, chunk):
                 self._release(req, insert=False)
                 break
-            batch.append((req, prefix, chunk))
+            batch.add(req, prefix, chunk)
             admitted.append(req)
             budget -= chunk
             if chunk < extend:
                 break  # at most one chunked request per batch, and it goes last
-        taken = {id(r) for r in admitted}
-        self.waiting = [r for r in self.waiting if id(r) not in taken]
+        taken = {r.rid for r in admitted}
+        self.waiting = [r for r in self.waiting if r.rid not in taken]
         return batch
 
     def _alloc_extend(self, req: Req, start: int, n: int) -> bool:
@@ -257,7 +264,7 @@ class Scheduler:
 
     # ---- forward passes ---------------------------------------------------------------------
 
-    def _mix_in_decode(self, batch: list[tuple[Req, int, int]]) -> set[int]:
+    def _mix_in_decode(self, batch: ExtendBatch) -> None:
         """Let running requests decode their next token inside this prefill forward (as
         1-token extends, or longer ones after a jump-forward) instead of stalling while new
         requests prefill. Only when the pool has a free slot for each new token without
@@ -265,51 +272,48 @@ class Scheduler:
         counts = [r.seq_len - r.kv_len for r in self.running]
         total = sum(counts)
         if not self.running or self.allocator.available_size() < total:
-            return set()
+            return
         slots = self.allocator.alloc(total)
         if slots is None:
-            return set()
+            return
         if total == len(self.running):
             self._write_next_slots(self.running, slots)
         else:
-            r2t, start = self.req_to_token_pool.req_to_token, 0
+            start = 0
             for req, n in zip(self.running, counts, strict=True):
-                r2t[req.row, req.kv_len : req.kv_len + n] = slots[start : start + n]
+                self.req_to_token_pool.write(req.row, req.kv_len, slots[start : start + n])
                 start += n
-        batch.extend((req, req.kv_len, n) for req, n in zip(self.running, counts, strict=True))
-        return {id(req) for req in self.running}
+        for req, n in zip(self.running, counts, strict=True):
+            batch.add(req, req.kv_len, n, decoding=True)
 
     def _run_extend_running(self, outputs: list[ReqOutput]) -> None:
         """One extend forward over the running requests, some of which carry several
         jump-forward tokens without KV; retracts (like decode) when the pool is short."""
         if not self._fit_running(outputs):
             return
-        batch: list[tuple[Req, int, int]] = []
-        mixed = self._mix_in_decode(batch)
-        self._run_prefill(batch, mixed, outputs)
+        batch = ExtendBatch()
+        self._mix_in_decode(batch)
+        self._run_prefill(batch, outputs)
 
     def _write_next_slots(self, reqs: list[Req], slots: torch.Tensor) -> None:
         """Record each request's slot for its next token: req_to_token[row, kv_len]."""
-        dev = self.device
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev)
-        cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=dev)
-        self.req_to_token_pool.req_to_token[rows, cols] = slots
+        rows: list[int] = [r.row for r in reqs]  # type: ignore[misc]
+        self.req_to_token_pool.write_next(rows, [r.kv_len for r in reqs], slots)
 
-    def _run_prefill(
-        self, batch: list[tuple[Req, int, int]], decoding: set[int], outputs: list[ReqOutput]
-    ) -> None:
-        r2t = self.req_to_token_pool.req_to_token
+    def _run_prefill(self, batch: ExtendBatch, outputs: list[ReqOutput]) -> None:
         input_ids: list[int] = []
         locs = []
-        for req, prefix, n in batch:
-            input_ids.extend(req.fill_ids[prefix : prefix + n])
-            locs.append(r2t[req.row, prefix : prefix + n])
+        for row in batch:
+            req = row.req
+            assert req.row is not None  # admitted: KV allocated
+            input_ids.extend(req.fill_ids[row.prefix_len : row.end])
+            locs.append(self.req_to_token_pool.read(req.row, row.prefix_len, row.end))
         fb = self.runner.build_forward_batch(
             ForwardMode.EXTEND,
-            [req.row for req, _, _ in batch],  # type: ignore[misc]
+            [row.req.row for row in batch],  # type: ignore[misc]
             input_ids,
-            [p for _, p, _ in batch],
-            [n for _, _, n in batch],
+            [row.prefix_len for row in batch],
+            [row.extend_len for row in batch],
             torch.cat(locs),
             **(self.mm.prepare_extend(batch) if self.mm is not None else {}),
         )
@@ -322,8 +326,9 @@ class Scheduler:
             logits = logits[scored.last]
         self.stats["prefill_batches"] += 1
         done: list[int] = []
-        for i, (req, prefix, n) in enumerate(batch):
-            req.kv_len = prefix + n
+        for i, row in enumerate(batch):
+            req = row.req
+            req.kv_len = row.end
             if req.kv_len < req.seq_len:
                 self._insert_prefix(req)
                 self.chunked = req
@@ -336,10 +341,11 @@ class Scheduler:
                     done.append(i)
         if not done:
             return
-        reqs = [batch[i][0] for i in done]
-        self._sample(reqs, logits[done] if len(done) < len(batch) else logits)
-        for req in reqs:
-            if id(req) in decoding:  # a running request that decoded along
+        rows = [batch[i] for i in done]
+        self._sample([row.req for row in rows], logits[done] if len(done) < len(batch) else logits)
+        for row in rows:
+            req = row.req
+            if row.decoding:  # a running request that decoded along
                 if req.finished:
                     self.running.remove(req)
                     self._finish(req, outputs)
