@@ -24,28 +24,38 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serve_process(*flags: str, start_timeout: float = 300.0,
                   diffusion: bool = False) -> Iterator[str]:
-    """`genserve serve --no-diffusion --dtype float32 <flags>` (without `--no-diffusion` when
-    `diffusion`) on a free loopback port; yields its URL once /health answers 200, and stops it
-    (SIGTERM, then kill) afterwards."""
+    """`genserve serve --no-diffusion <flags>` (without `--no-diffusion` when `diffusion`),
+    pinned as `serve_subprocess` pins it, on a free loopback port; yields its URL once /health
+    answers 200, and stops it (SIGTERM, then kill) afterwards."""
     no_diffusion = [] if diffusion else ["--no-diffusion"]
     with serve_subprocess(*no_diffusion, *flags, start_timeout=start_timeout) as (_, url):
         yield url
 
 
 @contextlib.contextmanager
-def serve_subprocess(*flags: str, start_timeout: float = 300.0
+def serve_subprocess(*flags: str, start_timeout: float = 300.0, pinned: bool = True,
+                     env: dict[str, str] | None = None
                      ) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`genserve serve --dtype float32 --no-compile <flags>` (tests skip compiling's minute-long
-    start unless `--compile` is among the flags) on a free loopback port: yields (the process,
-    its URL) once /health answers 200; stops it (SIGTERM, then kill) afterwards unless the test
-    already did. Its log goes to a file (a pipe nobody reads would block it when full)."""
+    """`genserve serve --dtype float32 --quantization none --no-compile <flags>` on a free
+    loopback port: yields (the process, its URL) once /health answers 200; stops it (SIGTERM,
+    then kill) afterwards unless the test already did. Its log goes to a file (a pipe nobody
+    reads would block it when full).
+
+    The pins make every test server run the same model the same way (float32 weights, no
+    quantization, eager: no minute-long compile), so content assertions do not depend on what
+    the defaults pick; a flag among `flags` (`--dtype`, `--quantization`, `--compile`) replaces
+    its pin, and `pinned=False` starts the defaults a user gets."""
+    pins = []
+    if pinned:
+        pins += [] if _has(flags, "--dtype") else ["--dtype", "float32"]
+        pins += [] if _has(flags, "--quantization") else ["--quantization", "none"]
+        pins += [] if _has(flags, "--compile") else ["--no-compile"]
     port = free_port()
     log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "genserve.entrypoints.cli", "serve",
-         "--port", str(port), "--dtype", "float32",
-         *([] if "--compile" in flags else ["--no-compile"]), *flags],
-        stdout=log, stderr=subprocess.STDOUT, text=True)
+        [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--port", str(port),
+         *pins, *flags],
+        stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + start_timeout
@@ -63,3 +73,7 @@ def serve_subprocess(*flags: str, start_timeout: float = 300.0
     finally:
         stop_process(proc, 60)
         log.close()
+
+
+def _has(flags: tuple[str, ...], name: str) -> bool:
+    return any(f == name or f.startswith(name + "=") for f in flags)

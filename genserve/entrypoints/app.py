@@ -14,7 +14,11 @@ from genserve import __version__
 from genserve.entrypoints.config import GatewayConfig
 from genserve.entrypoints.errors import install_error_handlers
 from genserve.entrypoints.images.router import build_router as build_images_router
-from genserve.entrypoints.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from genserve.entrypoints.middleware import (
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    WebSocketOriginMiddleware,
+)
 from genserve.entrypoints.native.router import build_router as build_native_router
 from genserve.entrypoints.openai_api.router import build_router as build_openai_router
 from genserve.entrypoints.ops.router import build_router as build_ops_router
@@ -57,8 +61,10 @@ def create_app(
     for router in _routers(state):
         app.include_router(router)
 
-    # Middleware added last runs first: CORS (answers preflights) -> auth -> body limit.
+    # Middleware added last runs first: CORS (answers preflights) -> auth -> WebSocket origin
+    # -> body limit.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(WebSocketOriginMiddleware, allowed_origins=config.cors_origins)
     if config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     if config.cors_origins:

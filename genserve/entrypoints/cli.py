@@ -27,8 +27,7 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
     g.add_argument("--quantization", default="auto", choices=llm_args.QUANTIZATIONS,
                    help="Weight-only quantization of the linear layers (torchao). auto "
-                        "(default) keeps a GGUF's precision (Q8 -> int8wo, Q4/Q5 -> int4wo, or "
-                        "int8wo where int4 is not clearly faster) and leaves full-precision "
+                        "(default) runs a quantized GGUF as int8wo and leaves full-precision "
                         "checkpoints as they are.")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the batch-1 decode step (needs a C++ compiler on CPU): "
@@ -108,7 +107,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--api-key", default=None, help="Require this key (Bearer or x-api-key).")
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
-                   help="Allow this browser origin (repeatable; CORS is off by default).")
+                   help="Allow this browser origin (repeatable; CORS is off by default). "
+                        "WebSockets from pages of other origins than the server's own are "
+                        "refused unless allowed here.")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
     p.add_argument("--allowed-image-domains", action="append", default=None, metavar="HOSTS",
                    help="Vision models: fetch http(s) image URLs from these hosts (comma "

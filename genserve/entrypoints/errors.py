@@ -90,6 +90,12 @@ def payload_too_large(limit: int) -> APIError:
                     "invalid_request_error", None, "request_too_large")
 
 
+def unsupported_media_type(content_type: str) -> APIError:
+    return APIError(415, f"Content-Type {content_type or '(none)'!r} is not accepted: send "
+                    "application/json (or multipart/form-data where the endpoint takes files).",
+                    "invalid_request_error", None, "unsupported_media_type")
+
+
 def service_unavailable(message: str, code: str | None = None) -> APIError:
     return APIError(503, message, "server_error", None, code)
 

@@ -1,12 +1,13 @@
-"""ASGI middleware: API-key auth and the request body size limit.
+"""ASGI middleware: API-key auth, the WebSocket origin check and the request body size limit.
 
-Both are plain ASGI (not BaseHTTPMiddleware) so streaming responses pass through untouched.
+All are plain ASGI (not BaseHTTPMiddleware) so streaming responses pass through untouched.
 """
 
 from __future__ import annotations
 
 import hmac
 from typing import Any
+from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -16,6 +17,7 @@ from genserve.entrypoints.errors import APIError, payload_too_large, unauthorize
 # UI's static files, which hold no secrets and which a browser cannot fetch with a header.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/"})
 OPEN_PREFIXES = ("/ui/",)
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 class APIKeyMiddleware:
@@ -61,6 +63,46 @@ class APIKeyMiddleware:
             await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
             return
         await _send_error(send, unauthorized(), {"www-authenticate": "Bearer"})
+
+
+class WebSocketOriginMiddleware:
+    """Refuses a WebSocket handshake from a browser page of another origin (an `Origin` header
+    whose host differs from the request's `Host`) unless `--cors-origin` allows that origin.
+
+    Browsers let any page open a WebSocket to any server and send its cookies, with no
+    preflight: without this check a web page could drive a key-less local server (cross-site
+    WebSocket hijacking). Clients that are not browsers send no `Origin` and are not affected.
+    The refusal closes before accepting, which the server answers with HTTP 403."""
+
+    def __init__(self, app: ASGIApp, allowed_origins: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self._allowed = {o.rstrip("/").lower() for o in allowed_origins}
+
+    def allows(self, scope: Scope) -> bool:
+        headers = dict(scope["headers"])
+        origin = headers.get(b"origin")
+        if origin is None or "*" in self._allowed:
+            return True
+        text = origin.decode("latin-1").strip().rstrip("/").lower()
+        if text in self._allowed:
+            return True
+        origin_parts = urlsplit(text)
+        host_parts = urlsplit("//" + headers.get(b"host", b"").decode("latin-1").strip().lower())
+        if origin_parts.scheme not in ("http", "https") or not origin_parts.hostname:
+            return False  # "null" (a file or sandboxed page) and odd values are refused
+        server_default = 443 if scope.get("scheme") in ("wss", "https") else 80
+        try:
+            return (origin_parts.hostname, origin_parts.port or _DEFAULT_PORTS[origin_parts.scheme]
+                    ) == (host_parts.hostname, host_parts.port or server_default)
+        except ValueError:  # a port that is not a number
+            return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "websocket" or self.allows(scope):
+            await self.app(scope, receive, send)
+            return
+        await send({"type": "websocket.close", "code": 1008,
+                    "reason": "cross-origin WebSocket refused (see --cors-origin)"})
 
 
 class BodySizeLimitMiddleware:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from genserve.srt.chat_roles import chat_role_markers
+from genserve.srt.device import resolve_device
 from genserve.srt.model_config import ModelConfig
 from genserve.srt.model_loader import gguf_path_of, gguf_precision_class, resolve_model_folder
 from genserve.srt.model_runner import ModelRunner, check_tensor_parallel
@@ -99,14 +100,15 @@ def build_runtime(
     """on_rank_death: called (from a thread) when a tensor-parallel worker dies."""
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
-    folder, name = resolve_model_folder(args.model_path, args.dtype, args.device)
-    config = ModelConfig.from_folder(folder)
-    tokenizer = load_tokenizer(folder)
-    context_length = context_length_for(args, config)
     source_precision = None
     if args.quantization == "auto":
         gguf = gguf_path_of(args.model_path)
         source_precision = gguf_precision_class(gguf) if gguf is not None else None
+    args = _quantized_cpu_dtype(args, source_precision)
+    folder, name = resolve_model_folder(args.model_path, args.dtype, args.device)
+    config = ModelConfig.from_folder(folder)
+    tokenizer = load_tokenizer(folder)
+    context_length = context_length_for(args, config)
     if args.tp_size == 1:
         runner = ModelRunner(args, config, folder, context_length, source_precision)
         workers = None
@@ -130,6 +132,19 @@ def build_runtime(
         context_length,
     )
     return Runtime(args, folder, name, config, tokenizer, runner, scheduler, workers)
+
+
+def _quantized_cpu_dtype(args: EngineArgs, source_precision: str | None) -> EngineArgs:
+    """dtype "auto" for weight-only quantized weights on a CPU is float32: the quantized
+    matmuls take bfloat16 activations inside them whatever the model's dtype, and the rest of
+    the model in float32 kept SmolLM2's teacher-forced agreement with its unquantized weights
+    above 95% (in bfloat16 it fell under it) at the same decode speed (docs/benchmarks.md)."""
+    quantized = args.quantization in ("int8wo", "int4wo") or (
+        args.quantization == "auto" and source_precision is not None
+    )
+    if args.dtype != "auto" or not quantized or resolve_device(args.device).type != "cpu":
+        return args
+    return replace(args, dtype="float32")
 
 
 def _start_tensor_parallel(

@@ -53,3 +53,34 @@ def test_websocket_key_in_query(client):
     with pytest.raises(WebSocketDisconnect):
         with client.websocket_connect("/v1/realtime/video") as ws:
             ws.receive_text()
+
+
+@pytest.mark.parametrize(
+    ("origin", "allowed", "ok"),
+    [
+        (None, (), True),  # not a browser
+        ("http://testserver", (), True),  # the page this server served
+        ("http://testserver:80", (), True),
+        ("https://testserver", (), False),  # another scheme is another origin (port 443)
+        ("http://evil.example", (), False),
+        ("http://testserver:8080", (), False),
+        ("null", (), False),
+        ("http://evil.example", ("http://evil.example",), True),
+        ("http://evil.example/", ("*",), True),
+        ("http://other.example", ("http://evil.example",), False),
+    ],
+)
+def test_websocket_origin_check(origin, allowed, ok):
+    from genserve.entrypoints.middleware import WebSocketOriginMiddleware
+
+    app = Starlette(routes=[WebSocketRoute("/v1/realtime/video", echo)])
+    client = TestClient(WebSocketOriginMiddleware(app, allowed))
+    headers = {} if origin is None else {"Origin": origin}
+    if ok:
+        with client.websocket_connect("/v1/realtime/video", headers=headers) as ws:
+            assert ws.receive_text() == "hello"
+        return
+    with pytest.raises(WebSocketDisconnect) as info:
+        with client.websocket_connect("/v1/realtime/video", headers=headers) as ws:
+            ws.receive_text()
+    assert info.value.code == 1008

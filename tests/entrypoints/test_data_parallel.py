@@ -62,7 +62,8 @@ def cluster():
     proc = subprocess.Popen(
         [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--dp", "2",
          "--router-policy", "round_robin", "--port", str(port), "--dtype", "float32",
-         "--num-threads", "1", "--max-total-tokens", "8192", "--no-compile"],
+         "--num-threads", "1", "--max-total-tokens", "8192", "--no-compile",
+         "--quantization", "none"],
         stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     replicas = [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"]

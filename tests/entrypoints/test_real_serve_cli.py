@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -28,15 +29,22 @@ def _free_port() -> int:
 
 def test_serve_answers_and_sigterm_shuts_down_cleanly():
     port = _free_port()
+    # The log goes to a file: a pipe read only at the end blocks the server once it is full.
+    log_file = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
         # The embedded GGUF named, not the default LLMs (SmolLM2 and shapes-vl; that default
         # is test_shapes_vl_server's): one scheduler to start, crash and stop.
         [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-diffusion",
          "--model-path", str(GGUF), "--served-model-name", "SmolLM2-135M-Instruct",
          "--port", str(port), "--dtype", "float32", "--max-total-tokens", "4096",
-         "--api-key", "k", "--no-compile"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "--api-key", "k", "--no-compile", "--quantization", "none"],
+        stdout=log_file, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
+
+    def log() -> str:
+        log_file.seek(0)
+        return log_file.read()
+
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
@@ -46,7 +54,7 @@ def test_serve_answers_and_sigterm_shuts_down_cleanly():
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert proc.poll() is None, log()
         children = psutil.Process(proc.pid).children(recursive=True)
         assert children, "the scheduler runs in its own process"
         r = httpx.post(url + "/v1/chat/completions", timeout=60,
@@ -64,12 +72,13 @@ def test_serve_answers_and_sigterm_shuts_down_cleanly():
         assert proc.wait(timeout=60) == 0
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, f"left behind: {alive}"
-        log = proc.stdout.read() if proc.stdout else ""
-        assert f"http://127.0.0.1:{port}" in log and "KV pool" in log
+        assert f"http://127.0.0.1:{port}" in log() and "KV pool" in log()
+        assert "quantization none" in log()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        log_file.close()
 
 
 def _crash_scheduler_mid_stream(url: str, schedulers: list[psutil.Process]) -> None:

@@ -14,33 +14,50 @@ from tests.srt.test_engine import prompt
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-def top1_agreement(ref: Engine, quant: Engine, prompts: list[list[int]], new_tokens: int):
-    """Greedy-continue each prompt with `ref`, then score prompt + continuation with both
-    engines: (share of positions whose top-1 token agrees, mean |log p ref - log p quant| of the
-    scored tokens)."""
+def greedy_continuations(ref: Engine, prompts: list[list[int]], new_tokens: int):
+    """Each prompt followed by `ref`'s greedy continuation (one batched call)."""
+    outs = ref.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": new_tokens})
+    return [ids + out["output_ids"] for ids, out in zip(prompts, outs)]
+
+
+def teacher_forced(engine: Engine, prompts: list[list[int]], seqs: list[list[int]]):
+    """Score each sequence with `engine`, from its prompt's last token on: per sequence, (the
+    top-1 token id at each scored position, the log-prob of each scored token)."""
+    metas = [
+        engine.generate(
+            input_ids=seq,
+            sampling_params={"max_new_tokens": 0},
+            return_logprob=True,
+            logprob_start_len=len(ids) - 1,
+            top_logprobs_num=1,
+        )["meta_info"]
+        for ids, seq in zip(prompts, seqs)
+    ]
+    return [
+        ([t[0][1] for t in m["input_top_logprobs"][1:]],
+         [lp for lp, _ in m["input_token_logprobs"][1:]])
+        for m in metas
+    ]
+
+
+def agreement_and_drift(ref_scores, quant_scores) -> tuple[float, float]:
+    """(share of scored positions whose top-1 token agrees, mean |log p ref - log p quant|)."""
     agree = total = 0
     drift: list[float] = []
-    for ids in prompts:
-        cont = ref.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": new_tokens})
-        seq = ids + cont["output_ids"]
-        metas = [
-            e.generate(
-                input_ids=seq,
-                sampling_params={"max_new_tokens": 0},
-                return_logprob=True,
-                logprob_start_len=len(ids) - 1,
-                top_logprobs_num=1,
-            )["meta_info"]
-            for e in (ref, quant)
-        ]
-        for a, b in zip(metas[0]["input_top_logprobs"][1:], metas[1]["input_top_logprobs"][1:]):
-            agree += a[0][1] == b[0][1]
-            total += 1
-        for (la, _), (lb, _) in zip(
-            metas[0]["input_token_logprobs"][1:], metas[1]["input_token_logprobs"][1:]
-        ):
-            drift.append(abs(la - lb))
+    for (top_a, lp_a), (top_b, lp_b) in zip(ref_scores, quant_scores):
+        assert len(top_a) == len(top_b) > 0
+        agree += sum(a == b for a, b in zip(top_a, top_b))
+        total += len(top_a)
+        drift += [abs(a - b) for a, b in zip(lp_a, lp_b)]
     return agree / total, sum(drift) / len(drift)
+
+
+def top1_agreement(ref: Engine, quant: Engine, prompts: list[list[int]], new_tokens: int):
+    """Greedy-continue each prompt with `ref`, then score prompt + continuation with both
+    engines: (top-1 agreement, mean |d log p|) as in `agreement_and_drift`."""
+    seqs = greedy_continuations(ref, prompts, new_tokens)
+    return agreement_and_drift(teacher_forced(ref, prompts, seqs),
+                               teacher_forced(quant, prompts, seqs))
 
 
 @pytest.fixture(scope="module")
@@ -104,43 +121,67 @@ def test_unrunnable_mode_is_a_clear_error(tiny):
         Engine(tiny, quantization="int3")
 
 
-def test_auto_keeps_the_source_precision_class(tiny):
+def test_auto_runs_quantized_ggufs_as_int8wo(tiny):
     engine = Engine(tiny, dtype="float32", max_total_tokens=256)
     model, cpu = engine.runtime.runner.model, torch.device("cpu")
     assert choose_quantization("auto", None, model, cpu).mode == "none"
-    assert choose_quantization("auto", "int8", model, cpu).mode == "int8wo"
-    # A 4-bit source runs as int4wo, or int8wo where int4 was not clearly faster (said why).
-    choice = choose_quantization("auto", "int4", model, cpu)
-    assert choice.mode == "int4wo" or "not measured clearly faster" in choice.reason
+    # Both precision classes run as int8wo, on every call (no start-up timing decides).
+    for source in ("int8", "int4"):
+        modes = {choose_quantization("auto", source, model, cpu).mode for _ in range(5)}
+        assert modes == {"int8wo"}, (source, modes)
+
+
+# Plain text and chat-formatted prompts: 12 x 32 scored positions (4 x 24 put one token at
+# 1% of the agreement).
+SMOL_TEXTS = (
+    "The history of the Roman Empire", "def fibonacci(n):", "Water boils at",
+    "My favourite book is", "The capital of France is", "In 1969, astronauts",
+    "A recipe for pancakes:", "Photosynthesis is the process",
+)
+SMOL_QUESTIONS = (
+    "What is the capital of France?", "Write a haiku about the sea.",
+    "How do I sort a list in Python?", "Why is the sky blue?",
+)
+SMOL_NEW_TOKENS = 32
+
+
+def smol_prompts(tok) -> list[list[int]]:
+    chats = [
+        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                add_generation_prompt=True)
+        for q in SMOL_QUESTIONS
+    ]
+    return [tok.encode(t) for t in (*SMOL_TEXTS, *chats)]
 
 
 @pytest.fixture(scope="module")
 def smol_ref():
-    engine = Engine(dtype="float32", max_total_tokens=4096)
-    yield engine
+    """The unquantized SmolLM2 (float32), its greedy continuations of the prompts and its own
+    teacher-forced scores of them."""
+    engine = Engine(dtype="float32", max_total_tokens=8192)
+    prompts = smol_prompts(engine.tokenizer)
+    seqs = greedy_continuations(engine, prompts, SMOL_NEW_TOKENS)
+    yield engine, prompts, seqs, teacher_forced(engine, prompts, seqs)
     engine.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["int8wo"])
+# int8wo is the mode `--quantization auto` picks for a quantized GGUF: held to the bar and to
+# the answer. int4wo (on request only) is held to the agreement bar; it answers the France
+# question wrongly ("L'Etoile, ..."), which is why auto does not pick it.
+@pytest.mark.parametrize("mode", ["int8wo", "int4wo"])
 def test_smollm2_quantized_agrees_and_answers(smol_ref, mode):
     from genserve.srt.model_loader import embedded_gguf_path, gguf_precision_class
 
     assert gguf_precision_class(embedded_gguf_path()) == "int4"
-    ref = smol_ref
-    quant = Engine(dtype="float32", max_total_tokens=4096, quantization=mode, compile=False)
+    _, prompts, seqs, ref_scores = smol_ref
+    quant = Engine(dtype="float32", max_total_tokens=8192, quantization=mode, compile=False)
     tok = quant.tokenizer
-    prompts = [
-        tok.encode(t)
-        for t in (
-            "The history of the Roman Empire",
-            "def fibonacci(n):",
-            "Water boils at",
-            "My favourite book is",
-        )
-    ]
-    agreement, drift = top1_agreement(ref, quant, prompts, 24)
+    agreement, drift = agreement_and_drift(ref_scores, teacher_forced(quant, prompts, seqs))
     print(f"SmolLM2 {mode}: top-1 agreement {agreement:.3f}, mean |d log p| {drift:.4f}")
     assert agreement >= 0.95, agreement
+    if mode != "int8wo":
+        quant.shutdown()
+        return
     chat = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         tokenize=False,

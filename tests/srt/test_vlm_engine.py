@@ -105,6 +105,23 @@ def test_prefix_cache_keys_carry_the_image(vlm):
     engine.check_integrity()
 
 
+def test_image_embeddings_are_not_shared_across_cache_salts(vlm):
+    engine = Engine(str(vlm), dtype="float32", max_total_tokens=4096)
+    ids = chat_ids(engine, [None, "what is in the image ?"])
+    params = {**GREEDY, "max_new_tokens": 4}
+    outs = [
+        engine.generate(input_ids=ids, image_data=[IMG_A], sampling_params=params,
+                        cache_salt=salt)
+        for salt in ("tenant-a", "tenant-b", "tenant-a", None)
+    ]
+    info = engine.server_info()["multimodal"]
+    # tenant-b and the unsalted request encode the image again (one namespace's encoded image
+    # never serves another); tenant-a's second request reuses its own prefix.
+    assert info["images_encoded"] == 3, info
+    assert len({tuple(o["output_ids"]) for o in outs}) == 1
+    engine.check_integrity()
+
+
 def test_abort_and_retraction_free_kv_and_image_references(vlm):
     from genserve.srt.sampling import SamplingParams
     from genserve.srt.tokenizer_manager import make_tokenized_req

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from genserve.entrypoints.errors import bad_request
+from genserve.entrypoints.errors import bad_request, unsupported_media_type
 from genserve.multimodal_gen.messages import StepCacheConfig
 
 
@@ -132,10 +132,14 @@ async def read_form(request: Request, model: type[BaseModel], file_fields: tuple
 async def read_json_or_form(request: Request, model: type[BaseModel],
                             file_fields: tuple[str, ...] = ()
                             ) -> tuple[BaseModel, dict[str, list[bytes]]]:
-    """JSON bodies and multipart forms (the openai client sends /v1/videos as multipart)."""
+    """JSON bodies and multipart forms (the openai client sends /v1/videos as multipart); any
+    other content type is refused with 415, as the JSON-only endpoints refuse it."""
     content_type = request.headers.get("content-type", "")
     if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         return await read_form(request, model, file_fields)
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise unsupported_media_type(content_type)
     try:
         data = json.loads(await request.body() or b"null")
     except ValueError as exc:

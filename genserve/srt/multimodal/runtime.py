@@ -55,7 +55,7 @@ class MultimodalRuntime:
         # Hold what is cached first, so encoding the rest cannot evict it.
         missing: dict[str, Any] = {}
         for _, item, _, _, req in needed:
-            key = item.content_hash
+            key = _cache_key(req, item)
             if key not in missing and self.cache.get(key) is not None:
                 self._hold(req, key)
             else:
@@ -68,11 +68,11 @@ class MultimodalRuntime:
             for key, emb in zip(missing, embeds):
                 self.cache.put(key, emb)
             for _, item, _, _, req in needed:
-                if item.content_hash in missing:
-                    self._hold(req, item.content_hash)
+                if _cache_key(req, item) in missing:
+                    self._hold(req, _cache_key(req, item))
         image_embeds = []
-        for start, item, a, b, _ in needed:
-            emb = self.cache.peek(item.content_hash)
+        for start, item, a, b, req in needed:
+            emb = self.cache.peek(_cache_key(req, item))
             assert emb is not None  # held above
             image_embeds.append((start, emb[a:b]))
         extra: dict[str, Any] = {"image_embeds": image_embeds}
@@ -137,6 +137,13 @@ class MultimodalRuntime:
             "cache_hits": self.cache.hits,
             "cache_evictions": self.cache.evictions,
         }
+
+
+def _cache_key(req: Any, item: Any) -> str:
+    """The embedding cache key of one image of one request: its content and the request's
+    cache namespace (`cache_salt`), so tenants with different salts never share an encoded
+    image (a cache hit would tell one tenant, by its speed, what another sent)."""
+    return f"{req.namespace}\0{item.content_hash}" if req.namespace else item.content_hash
 
 
 def create_multimodal_runtime(runner: Any, args: Any) -> MultimodalRuntime | None:
