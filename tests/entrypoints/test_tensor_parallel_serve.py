@@ -1,6 +1,7 @@
 """`genserve serve --tp 2` on CPU (gloo) with the embedded SmolLM2, through the official openai
 client: the same greedy text as one rank, `tp_size` reported to the router, and a killed rank
-turns the server to 503 instead of hanging it."""
+turns the server to 503 instead of hanging it, and the gateway then restarts the group (a new
+scheduler process, its restart counted) which answers as before."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def test_serve_tp2_answers_like_one_rank_and_fails_503_when_a_rank_dies():
         assert info["tp_size"] == 2
 
         # Rank 1 is the scheduler process's child (rank 0 is the scheduler process).
+        before = httpx.get(url + "/health", timeout=10).json()["runtimes"][info["model_name"]]
+        assert before["pid"] == info["runtime"]["pid"] and before["restarts"] == 0
         scheduler = psutil.Process(info["runtime"]["pid"])
         worker = next(
             p for p in scheduler.children() if "resource_tracker" not in " ".join(p.cmdline())
@@ -51,3 +54,14 @@ def test_serve_tp2_answers_like_one_rank_and_fails_503_when_a_rank_dies():
             client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4)
         assert err.value.status_code == 503
         assert proc.poll() is None  # the gateway lives on and restarts the group
+        deadline = time.monotonic() + 300
+        while httpx.get(url + "/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "the group never came back"
+            time.sleep(0.5)
+        after = httpx.get(url + "/health", timeout=10).json()["runtimes"][info["model_name"]]
+        assert after["restarts"] == 1 and after["pid"] != before["pid"], after
+        assert not scheduler.is_running() or scheduler.status() == psutil.STATUS_ZOMBIE
+        again = client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=16, temperature=0
+        )
+        assert again.choices[0].text == want

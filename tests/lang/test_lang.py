@@ -73,11 +73,18 @@ def test_select_picks_the_likeliest_choice(backend):
 
 def test_gen_with_choices_is_a_select(backend):
     @function
-    def yes_no(s):
-        s += "Q: Is Paris in France? Answer yes or no.\nA:"
-        s += gen("a", choices=[" yes", " no"])
+    def pick(s, via_gen):
+        s += user("What is the capital of France?")
+        choices = ["Tokyo", "Paris", "London"]
+        chosen = gen("city", choices=choices) if via_gen else select("city", choices)
+        s += assistant("The capital of France is " + chosen)
 
-    assert yes_no.run(backend=backend)["a"] in (" yes", " no")
+    by_gen = pick.run(via_gen=True, backend=backend)
+    by_select = pick.run(via_gen=False, backend=backend)
+    scores = by_gen.get_meta_info("city")["scores"]
+    assert scores == by_select.get_meta_info("city")["scores"]
+    assert by_gen["city"] == by_select["city"] == "Paris"
+    assert max(scores) == scores[1] and len(set(scores)) == 3
 
 
 def test_fork_branches_share_the_prefix(backend):
