@@ -80,9 +80,10 @@ def test_two_ranks_draw_what_one_device_draws(group):
         assert len(result.outputs) == len(expected) == req.num_outputs
         for got, want in zip(result.outputs, expected, strict=True):
             assert got.shape == want.shape
-            # Rows are batch-invariant on the CPU and attention splits by whole heads, so the
-            # split call computes every number the same way as one device.
-            assert np.array_equal(got, want)
+            # Rows are batch-invariant and attention splits by whole heads; the ranks run with
+            # fewer threads than one device, and oneDNN's AVX-512 kernels sum in a
+            # thread-dependent order, so a pixel may move one level.
+            assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
 
 
 def _png(color, mode: str = "RGB") -> bytes:
@@ -128,7 +129,7 @@ def test_a_cancel_leaves_the_call_on_both_ranks(group):
     assert cancelled[-1].status == 499
     assert isinstance(following[-1], ResultEvent)
     expected, _ = _on_one_device(_flux("next", 5), group.model_spec("tiny-flux"))
-    assert np.array_equal(following[-1].outputs[0], expected[0])
+    assert np.abs(following[-1].outputs[0].astype(int) - expected[0].astype(int)).max() <= 1
 
 
 def test_the_step_cache_decides_the_same_steps_on_every_rank(group):
