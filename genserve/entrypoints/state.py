@@ -161,3 +161,11 @@ def get_realtime_serving(conn: HTTPConnection) -> RealtimeServing:
     if serving is None:
         raise _no_diffusion()
     return serving
+
+
+def get_messages_serving(conn: HTTPConnection) -> MessagesServing:
+    return get_state(conn).messages
+
+
+def get_ollama_serving(conn: HTTPConnection) -> OllamaServing:
+    return get_state(conn).ollama

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
-from starlette.requests import HTTPConnection
+
+from genserve.entrypoints.state import get_messages_serving
 
 from .protocol import CountTokensRequest, MessagesRequest
 from .serving import MessagesServing
-
-
-def get_messages_serving(conn: HTTPConnection) -> MessagesServing:
-    return conn.app.state.gateway.messages
 
 
 def build_router() -> APIRouter:

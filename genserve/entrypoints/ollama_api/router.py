@@ -4,16 +4,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.requests import HTTPConnection
 
 from genserve.entrypoints.errors import bad_request
+from genserve.entrypoints.state import get_ollama_serving
 
 from .protocol import ChatRequest, GenerateRequest, ShowRequest
 from .serving import OllamaServing
-
-
-def get_ollama_serving(conn: HTTPConnection) -> OllamaServing:
-    return conn.app.state.gateway.ollama
 
 
 def build_router() -> APIRouter:
