@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import anthropic
 import httpx
+import jsonschema
 import pytest
 from PIL import Image
 
@@ -108,6 +110,17 @@ def test_tool_use_round_trip(client, model):
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                 "content": "Sunny, 24 degrees"}]}])
     assert follow.content[0].type == "text" and follow.content[0].text
+
+
+def test_structured_output(client, model):
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0}},
+              "required": ["name", "age"], "additionalProperties": False}
+    msg = client.messages.create(
+        model=model, max_tokens=60, **GREEDY,
+        messages=[{"role": "user", "content": "Ann is 30. Give her as JSON."}],
+        output_config={"format": {"type": "json_schema", "schema": person}})
+    jsonschema.validate(json.loads(msg.content[0].text), person)
 
 
 def test_errors_in_anthropic_envelope(server, client, model):

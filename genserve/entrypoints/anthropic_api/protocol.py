@@ -62,6 +62,16 @@ class ToolChoice(LenientModel):
     disable_parallel_tool_use: bool | None = None
 
 
+class OutputFormat(LenientModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(LenientModel):
+    format: OutputFormat | None = None
+    effort: str | None = None  # accepted; no effect on this server
+
+
 class MessagesRequest(LenientModel):
     model: str = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)
@@ -76,6 +86,7 @@ class MessagesRequest(LenientModel):
     tool_choice: ToolChoice | None = None
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None  # structured output: format.schema
 
 
 class CountTokensRequest(LenientModel):

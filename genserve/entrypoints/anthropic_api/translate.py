@@ -122,6 +122,10 @@ def to_chat(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest
         fields.update(max_tokens=body.max_tokens, temperature=body.temperature,
                       top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences,
                       stream=body.stream)
+        fmt = body.output_config.format if body.output_config else None
+        if fmt is not None:
+            fields["response_format"] = {"type": "json_schema",
+                                         "json_schema": {"name": "output", "schema": fmt.schema_}}
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:
