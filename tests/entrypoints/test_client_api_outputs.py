@@ -100,3 +100,15 @@ def test_error_envelopes_by_path():
     assert body_for_path("/api/chat", err) == {"error": "nope"}
     assert body_for_path("/v1/chat/completions", err)["error"]["message"] == "nope"
     assert body_for_path("/v1/messagesX", err) == err.body()
+
+
+def test_reasoning_becomes_thinking_block_and_field():
+    from genserve.entrypoints.openai_api.reasoning import ReasoningParser
+
+    prep = prepared(False)
+    prep.reasoning = ReasoningParser("qwen3")
+    body = MessagesRequest(model="m", max_tokens=9, messages=[{"role": "user", "content": "x"}])
+    msg = _full(body, prep, "msg_3", output("<think>Hmm.</think>Paris."))
+    assert msg["content"][0] == {"type": "thinking", "thinking": "Hmm.", "signature": ""}
+    assert msg["content"][1] == {"type": "text", "text": "Paris."}
+    assert _split(prep, "<think>Hmm.</think>Paris.")[:2] == ("Hmm.", "Paris.")
