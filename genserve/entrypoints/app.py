@@ -11,6 +11,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from genserve import __version__
+from genserve.entrypoints.anthropic_api.router import build_router as build_anthropic_router
 from genserve.entrypoints.config import GatewayConfig
 from genserve.entrypoints.errors import install_error_handlers
 from genserve.entrypoints.images.router import build_router as build_images_router
@@ -20,6 +21,7 @@ from genserve.entrypoints.middleware import (
     WebSocketOriginMiddleware,
 )
 from genserve.entrypoints.native.router import build_router as build_native_router
+from genserve.entrypoints.ollama_api.router import build_router as build_ollama_router
 from genserve.entrypoints.openai_api.router import build_router as build_openai_router
 from genserve.entrypoints.ops.router import build_router as build_ops_router
 from genserve.entrypoints.realtime.router import build_router as build_realtime_router
@@ -32,7 +34,8 @@ from genserve.srt.client import LLMEngineClient
 def _routers(state: GatewayState) -> list[APIRouter]:
     """Every endpoint family this app serves. The diffusion families (realtime also serves
     the web UI at `/`) are there when a diffusion runtime is."""
-    routers = [build_ops_router(), build_native_router(), build_openai_router()]
+    routers = [build_ops_router(), build_native_router(), build_openai_router(),
+               build_anthropic_router(), build_ollama_router()]
     if state.diffusion_client is not None:
         routers += [build_images_router(), build_videos_router(), build_realtime_router()]
     return routers

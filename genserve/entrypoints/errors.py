@@ -54,8 +54,28 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
+    def response(self, path: str = "") -> JSONResponse:
+        return JSONResponse(body_for_path(path, self), status_code=self.status_code)
+
+
+# Anthropic's error `type` for each status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPE = {400: "invalid_request_error", 401: "authentication_error",
+                   403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                   429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def body_for_path(path: str, error: APIError) -> dict[str, Any]:
+    """The error body in the envelope of the API family that owns `path`: Anthropic's
+    `{"type": "error", "error": {type, message}}` under /v1/messages, Ollama's
+    `{"error": message}` under /api/, OpenAI's everywhere else."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        kind = _ANTHROPIC_TYPE.get(error.status_code,
+                                   "api_error" if error.status_code >= 500
+                                   else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": error.message}}
+    if path.startswith("/api/"):
+        return {"error": error.message}
+    return error.body()
 
 
 def error_body(
@@ -134,13 +154,14 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Render every error as the OpenAI envelope."""
+    """Render every error in the envelope of the family that owns the path (OpenAI's unless
+    Anthropic's or Ollama's, see `body_for_path`)."""
 
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return exc.response(request.url.path)
 
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return validation_error(exc).response(request.url.path)
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = exc.status_code
@@ -150,14 +171,14 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"Method {request.method} is not allowed on {request.url.path}"
         else:
             message = str(exc.detail)
-        response = APIError(status, message).response()
+        response = APIError(status, message).response(request.url.path)
         if exc.headers:
             response.headers.update(exc.headers)
         return response
 
     async def on_exception(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return server_error().response()
+        return server_error().response(request.url.path)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

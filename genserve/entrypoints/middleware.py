@@ -62,7 +62,7 @@ class APIKeyMiddleware:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
             return
-        await _send_error(send, unauthorized(), {"www-authenticate": "Bearer"})
+        await _send_error(send, unauthorized(), {"www-authenticate": "Bearer"}, path)
 
 
 class WebSocketOriginMiddleware:
@@ -123,7 +123,8 @@ class BodySizeLimitMiddleware:
             except ValueError:
                 too_big = False
             if too_big:
-                await _send_error(send, payload_too_large(self.max_bytes))
+                await _send_error(send, payload_too_large(self.max_bytes), None,
+                                  scope.get("path", ""))
                 return
         if length is not None or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)  # uvicorn enforces Content-Length itself
@@ -139,7 +140,8 @@ class BodySizeLimitMiddleware:
                 break
             received += len(message.get("body", b""))
             if received > self.max_bytes:
-                await _send_error(send, payload_too_large(self.max_bytes))
+                await _send_error(send, payload_too_large(self.max_bytes), None,
+                                  scope.get("path", ""))
                 return
             if not message.get("more_body", False):
                 break
@@ -150,8 +152,9 @@ class BodySizeLimitMiddleware:
         await self.app(scope, replay, send)
 
 
-async def _send_error(send: Send, error: APIError, headers: dict[str, Any] | None = None) -> None:
-    response = error.response()
+async def _send_error(send: Send, error: APIError, headers: dict[str, Any] | None = None,
+                      path: str = "") -> None:
+    response = error.response(path)
     for name, value in (headers or {}).items():
         response.headers[name] = value
     await response({"type": "http"}, _no_receive, send)

@@ -16,6 +16,7 @@ from starlette.requests import HTTPConnection
 
 from genserve import envs
 from genserve.entrypoints.admission import Admission
+from genserve.entrypoints.anthropic_api.serving import MessagesServing
 from genserve.entrypoints.config import GatewayConfig
 from genserve.entrypoints.errors import model_not_found, service_unavailable
 from genserve.entrypoints.images.serving import (
@@ -25,6 +26,7 @@ from genserve.entrypoints.images.serving import (
 )
 from genserve.entrypoints.metrics import GatewayMetrics
 from genserve.entrypoints.native.serving import NativeServing
+from genserve.entrypoints.ollama_api.serving import OllamaServing
 from genserve.entrypoints.openai_api.serving_chat import ChatServing
 from genserve.entrypoints.openai_api.serving_completions import CompletionServing
 from genserve.entrypoints.realtime.serving import RealtimeServing
@@ -50,6 +52,8 @@ class GatewayState:
     native: NativeServing = field(init=False)
     chat: ChatServing = field(init=False)
     completions: CompletionServing = field(init=False)
+    messages: MessagesServing = field(init=False)  # Anthropic /v1/messages
+    ollama: OllamaServing = field(init=False)  # the Ollama API under /api/
     # The diffusion families' serving objects; None when no diffusion model is served.
     images: ImageServing | None = field(init=False, default=None)
     videos: VideoServing | None = field(init=False, default=None)
@@ -69,6 +73,8 @@ class GatewayState:
         self.native = NativeServing(self)
         self.chat = ChatServing(self)
         self.completions = CompletionServing(self)
+        self.messages = MessagesServing(self)
+        self.ollama = OllamaServing(self)
         client = self.diffusion_client
         if client is not None:
             output_dir = envs.GENSERVE_OUTPUT_DIR.get()
@@ -155,3 +161,11 @@ def get_realtime_serving(conn: HTTPConnection) -> RealtimeServing:
     if serving is None:
         raise _no_diffusion()
     return serving
+
+
+def get_messages_serving(conn: HTTPConnection) -> MessagesServing:
+    return get_state(conn).messages
+
+
+def get_ollama_serving(conn: HTTPConnection) -> OllamaServing:
+    return get_state(conn).ollama

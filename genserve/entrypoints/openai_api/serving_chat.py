@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -23,7 +24,7 @@ from genserve.entrypoints.openai_api.protocol import ChatCompletionRequest, Chat
 from genserve.entrypoints.openai_api.reasoning import ReasoningParser, ReasoningStreamer
 from genserve.entrypoints.openai_api.tool_calls import ToolCallStreamer
 from genserve.srt.client import LLMEngineClient
-from genserve.srt.messages import GenerateOutput
+from genserve.srt.messages import GenerateOutput, GenerateRequest
 
 if TYPE_CHECKING:
     from genserve.entrypoints.state import GatewayState
@@ -188,14 +189,28 @@ async def _stream(client: LLMEngineClient, body: ChatCompletionRequest, response
     yield sse.DONE
 
 
+@dataclass
+class PreparedChat:
+    """A checked chat request, ready to run (see `ChatServing.prepare`)."""
+
+    client: LLMEngineClient
+    prompt_ids: list[int]
+    reqs: list[GenerateRequest]
+    plan: tools.ToolPlan | None
+    reasoning: ReasoningParser | None
+
+
 class ChatServing:
     """OpenAI /v1/chat/completions over the gateway's LLMs (one per app, `GatewayState.chat`)."""
 
     def __init__(self, state: GatewayState) -> None:
         self.state = state
 
-    async def create_chat_completion(self, body: ChatCompletionRequest,
-                                     request: Request) -> Response:
+    async def prepare(self, body: ChatCompletionRequest) -> PreparedChat:
+        """Everything short of running: checks, the rendered and tokenized prompt, images,
+        tools and the engine requests. The Anthropic and Ollama families translate their
+        requests into a ChatCompletionRequest and share this, so the tool-call machinery,
+        grammar enforcement and image path are one."""
         state = self.state
         client = state.resolve_llm(body.model)
         common.reject_unsupported(client, body)
@@ -234,11 +249,17 @@ class ChatServing:
         reqs = common.fan_out(body, [ids], params, body.logprobs, body.top_logprobs or 0)
         for req in reqs:
             req.mm_inputs = mm_inputs
-        response_id = common.completion_id("chatcmpl")
         name = state.config.reasoning_parser
         reasoning = ReasoningParser(name) if name else None
+        return PreparedChat(client, ids, reqs, plan, reasoning)
+
+    async def create_chat_completion(self, body: ChatCompletionRequest,
+                                     request: Request) -> Response:
+        prep = await self.prepare(body)
+        client, plan, reasoning = prep.client, prep.plan, prep.reasoning
+        response_id = common.completion_id("chatcmpl")
         return await common.respond(
-            state, client, reqs, request, bool(body.stream),
+            self.state, client, prep.reqs, request, bool(body.stream),
             lambda outs: _full_response(client, body, response_id, outs, plan, reasoning),
             lambda group, events: _stream(client, body, response_id, group, events, plan,
                                           reasoning),

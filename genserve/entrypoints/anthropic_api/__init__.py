@@ -1,0 +1,1 @@
+"""Anthropic Messages API: POST /v1/messages and /v1/messages/count_tokens."""
