@@ -15,7 +15,8 @@ import torch
 # tiny-flux and tiny-wan are served by default; the others exist to exercise their families.
 EMBEDDED_NAMES = ("tiny-flux", "tiny-wan", "tiny-sd3", "tiny-sd", "tiny-ltx", "tiny-sdxl",
                   "tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v", "tiny-qwen-image",
-                  "tiny-qwen-image-edit", "tiny-helios")
+                  "tiny-qwen-image-edit", "tiny-helios", "tiny-helios-pyramid",
+                  "tiny-helios-distilled")
 _VOCAB_WORDS = (
     "a an the of and with in on at to red green blue yellow white black orange purple cat dog "
     "bird car tree house sky sea sun moon city forest mountain river flower portrait photo "
@@ -209,12 +210,33 @@ def build_tiny_wan_i2v():
 
 
 def build_tiny_helios():
-    from diffusers import (
-        AutoencoderKLWan,
-        HeliosPipeline,
-        HeliosScheduler,
-        HeliosTransformer3DModel,
+    from diffusers import HeliosPipeline, HeliosScheduler
+
+    return HeliosPipeline(
+        **_tiny_helios_parts(),
+        scheduler=HeliosScheduler(stage_range=[0, 1], stages=1, use_dynamic_shifting=True),
     )
+
+
+def build_tiny_helios_pyramid():
+    from diffusers import HeliosPyramidPipeline, HeliosScheduler
+
+    # Three pyramid stages (64x64 pixels: 2x2, 4x4 then 8x8 latents), UniPC. The
+    # default gamma (1/3) makes the 2x2 block-noise covariance singular in float32 (cholesky
+    # fails on a CPU); 1/4 keeps it positive definite.
+    return HeliosPyramidPipeline(**_tiny_helios_parts(), scheduler=HeliosScheduler(gamma=0.25))
+
+
+def build_tiny_helios_distilled():
+    from diffusers import HeliosDMDScheduler, HeliosPyramidPipeline
+
+    # The few-step distilled checkpoints: the DMD scheduler, no guidance.
+    return HeliosPyramidPipeline(**_tiny_helios_parts(),
+                                 scheduler=HeliosDMDScheduler(gamma=0.25), is_distilled=True)
+
+
+def _tiny_helios_parts() -> dict:
+    from diffusers import AutoencoderKLWan, HeliosTransformer3DModel
 
     # Helios: a Wan-style transformer that also reads the history latents through its
     # short / mid / long patch embeddings; Wan's VAE (4x time, 8x space).
@@ -244,13 +266,8 @@ def build_tiny_helios():
         latents_mean=[0.0] * 4,
         latents_std=[1.0] * 4,
     )
-    return HeliosPipeline(
-        tokenizer=_word_tokenizer(16, eos="</s>", pad="<pad>"),
-        text_encoder=_tiny_t5_encoder(32, umt5=True),
-        vae=vae,
-        scheduler=HeliosScheduler(stage_range=[0, 1], stages=1, use_dynamic_shifting=True),
-        transformer=transformer,
-    )
+    return dict(tokenizer=_word_tokenizer(16, eos="</s>", pad="<pad>"),
+                text_encoder=_tiny_t5_encoder(32, umt5=True), vae=vae, transformer=transformer)
 
 
 def _tiny_image_vae(latent_channels: int = 4, **kwargs):
@@ -388,6 +405,8 @@ _BUILDERS = {
     "tiny-qwen-image": build_tiny_qwen_image,
     "tiny-qwen-image-edit": build_tiny_qwen_image_edit,
     "tiny-helios": build_tiny_helios,
+    "tiny-helios-pyramid": build_tiny_helios_pyramid,
+    "tiny-helios-distilled": build_tiny_helios_distilled,
 }
 
 

@@ -17,7 +17,8 @@ DEFAULT_MODELS = ("shapes-image", "shapes-video")
 # embedded.EMBEDDED_NAMES, which imports torch).
 EMBEDDED_MODELS = ("shapes-image", "shapes-video", "tiny-flux", "tiny-wan", "tiny-sd3",
                    "tiny-sd", "tiny-ltx", "tiny-sdxl", "tiny-flux-kontext", "tiny-flux-fill",
-                   "tiny-wan-i2v", "tiny-qwen-image", "tiny-qwen-image-edit", "tiny-helios")
+                   "tiny-wan-i2v", "tiny-qwen-image", "tiny-qwen-image-edit", "tiny-helios",
+                   "tiny-helios-pyramid", "tiny-helios-distilled")
 
 
 def parse_lora_arg(value: str) -> tuple[str, str, str]:

@@ -17,6 +17,7 @@ from genserve.multimodal_gen.pipelines.base import DiffusionFamily
 from genserve.multimodal_gen.pipelines.flux import FluxFamily
 from genserve.multimodal_gen.pipelines.flux_edit import FluxFillFamily, FluxKontextFamily
 from genserve.multimodal_gen.pipelines.helios import HeliosFamily
+from genserve.multimodal_gen.pipelines.helios_pyramid import HeliosPyramidFamily
 from genserve.multimodal_gen.pipelines.ltx import LTXFamily
 from genserve.multimodal_gen.pipelines.memory import (
     MemoryOptions,
@@ -34,7 +35,8 @@ from genserve.multimodal_gen.pipelines.wan_i2v import WanImageToVideoFamily
 FAMILIES: tuple[type[DiffusionFamily], ...] = (
     FluxFamily, FluxKontextFamily, FluxFillFamily, SD3Family, StableDiffusionFamily,
     StableDiffusionXLFamily, QwenImageFamily, QwenImageEditFamily, WanFamily,
-    WanImageToVideoFamily, LTXFamily, HeliosFamily, ShapesImageFamily, ShapesVideoFamily,
+    WanImageToVideoFamily, LTXFamily, HeliosFamily, HeliosPyramidFamily, ShapesImageFamily,
+    ShapesVideoFamily,
 )
 # Pipeline classes genserve defines itself (diffusers cannot look them up by name).
 OWN_PIPELINES = {
@@ -76,6 +78,8 @@ EMBEDDED_SPECS: dict[str, tuple[type[DiffusionFamily], dict]] = {
     "tiny-helios": (HeliosFamily, dict(default_width=64, default_height=64, default_steps=2,
                                        max_pixels=256 * 256, default_guidance=1.0,
                                        default_fps=8)),
+    "tiny-helios-pyramid": (HeliosPyramidFamily, dict(default_width=64, default_height=64, default_steps=2, max_pixels=256 * 256, default_guidance=1.0, default_fps=8)),  # noqa: E501
+    "tiny-helios-distilled": (HeliosPyramidFamily, dict(default_width=64, default_height=64, default_steps=1, max_pixels=256 * 256, default_guidance=1.0, default_fps=8)),  # noqa: E501
 }
 
 

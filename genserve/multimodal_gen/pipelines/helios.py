@@ -148,13 +148,14 @@ class HeliosFamily(DiffusionFamily):
         if len(streams) != len(rows):
             raise ValueError(f"{len(rows)} rows but {len(streams)} streams")
         self.step_cache.configure(head.step_cache, head.num_inference_steps, separate_cfg=True)
-        self._total_steps = num_chunks * head.num_inference_steps
+        per_chunk = self.steps_per_chunk(head)
+        self._total_steps = num_chunks * per_chunk
         chunks: list[list[np.ndarray]] = [[] for _ in rows]
         decode_ms = 0.0
         for k in range(num_chunks):
             try:
                 latents, decision = self._run_chunk(streams, rows, head, on_step,
-                                                    k * head.num_inference_steps)
+                                                    k * per_chunk)
             except BaseException:
                 self._abandon(streams)  # a failed chunk leaves no trace
                 raise
@@ -190,46 +191,75 @@ class HeliosFamily(DiffusionFamily):
         stream.negative_embeds = negative_embeds.to(dtype) if cfg else None
         stream.prompt, stream.negative_prompt = prompt, negative
 
+    def steps_per_chunk(self, head: ResolvedRequest) -> int:
+        """Denoising steps one chunk takes (progress counts these over the chunks)."""
+        return head.num_inference_steps
+
+    def _conditioning(self, streams: list[HeliosStream],
+                      rows: list[tuple[ResolvedRequest, int]], cfg: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """Prompt embeddings (re-encoded only where the prompt changed), negative embeddings
+        with guidance, and the history windows (long, mid, 1x) with their indices, batched
+        over the rows. The short window leads with the video's first latent frame (zeros
+        until the first chunk is made). Call under inference_mode."""
+        dtype = self.denoiser.dtype
+        for stream, (req, _) in zip(streams, rows):
+            self._encode(stream, req.prompt, req.negative_prompt, cfg)
+        embeds = torch.cat([s.embeds for s in streams])
+        negative_embeds = torch.cat([s.negative_embeds for s in streams]) if cfg else None
+        sizes = list(self.history_sizes)
+        long, mid, short = [], [], []
+        for s in streams:
+            h_long, h_mid, h_1x = s.history.split(sizes, dim=2)
+            prefix = s.prefix if s.prefix is not None else torch.zeros_like(h_1x[:, :, :1])
+            long.append(h_long)
+            mid.append(h_mid)
+            short.append(torch.cat([prefix, h_1x], dim=2))
+        history = {"latents_history_long": torch.cat(long).to(dtype),
+                   "latents_history_mid": torch.cat(mid).to(dtype),
+                   "latents_history_short": torch.cat(short).to(dtype)}
+        history.update(self._indices(len(streams)))
+        return embeds, negative_embeds, history
+
+    def _chunk_noise(self, streams: list[HeliosStream]) -> torch.Tensor:
+        """This chunk's starting noise, from each row's own generator (whose state is saved
+        first, so a stopped chunk can put it back). [B, C, n, h, w] float32."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        for s in streams:
+            s.begin_chunk()
+        c, (_, _, _, h, w) = self.denoiser.config.in_channels, streams[0].history.shape
+        return torch.cat([
+            randn_tensor((1, c, self.latents_per_chunk, h, w), generator=s.generator,
+                         device=self.device, dtype=torch.float32) for s in streams])
+
+    def _advance(self, streams: list[HeliosStream], latents: torch.Tensor) -> None:
+        """The chunk becomes history; the first chunk's first frame becomes the prefix."""
+        n_history = sum(self.history_sizes)
+        for row, s in enumerate(streams):
+            made = latents[row : row + 1]
+            if s.prefix is None:
+                s.prefix = made[:, :, 0:1].clone()
+            s.history = torch.cat([s.history, made], dim=2)[:, :, -n_history:].clone()
+            s.chunks += 1
+            s._saved_rng = None
+
     def _run_chunk(self, streams: list[HeliosStream], rows: list[tuple[ResolvedRequest, int]],
                    head: ResolvedRequest, on_step: StepHook, steps_before: int
                    ) -> tuple[torch.Tensor | None, StepDecision]:
         """Denoise the next chunk of every stream as one batch: (latents [B, C, n, h, w],
         CONTINUE) with the streams advanced, or (None, the hook's decision) when it stops."""
         from diffusers.pipelines.helios.pipeline_helios import calculate_shift
-        from diffusers.utils.torch_utils import randn_tensor
 
         pipe, transformer = self.pipe, self.denoiser
         dtype, device = transformer.dtype, self.device
         cfg = head.guidance_scale > 1.0
         with torch.inference_mode():
-            # 1. Prompt embeddings (re-encoded only where the prompt changed).
-            for stream, (req, _) in zip(streams, rows):
-                self._encode(stream, req.prompt, req.negative_prompt, cfg)
-            embeds = torch.cat([s.embeds for s in streams])
-            negative_embeds = torch.cat([s.negative_embeds for s in streams]) if cfg else None
-            # 2. History windows (long, mid, 1x) per row; the short window leads with the
-            # video's first latent frame (zeros until the first chunk is made).
-            sizes = list(self.history_sizes)
-            long, mid, short = [], [], []
-            for s in streams:
-                h_long, h_mid, h_1x = s.history.split(sizes, dim=2)
-                prefix = s.prefix if s.prefix is not None else torch.zeros_like(h_1x[:, :, :1])
-                long.append(h_long)
-                mid.append(h_mid)
-                short.append(torch.cat([prefix, h_1x], dim=2))
-            history = {"latents_history_long": torch.cat(long).to(dtype),
-                       "latents_history_mid": torch.cat(mid).to(dtype),
-                       "latents_history_short": torch.cat(short).to(dtype)}
-            history.update(self._indices(len(streams)))
-            # 3. This chunk's noise, from each row's own generator.
-            for s in streams:
-                s.begin_chunk()
-            c, (_, _, _, h, w) = transformer.config.in_channels, streams[0].history.shape
-            latents = torch.cat([
-                randn_tensor((1, c, self.latents_per_chunk, h, w), generator=s.generator,
-                             device=device, dtype=torch.float32) for s in streams])
-            # 4. The step schedule (the same for every chunk of this size).
+            embeds, negative_embeds, history = self._conditioning(streams, rows, cfg)
+            latents = self._chunk_noise(streams)
+            # The step schedule (the same for every chunk of this size).
             steps = head.num_inference_steps
+            _, _, _, h, w = latents.shape
             p_t, p_h, p_w = transformer.config.patch_size
             seq_len = self.latents_per_chunk * h * w // (p_t * p_h * p_w)
             config = pipe.scheduler.config
@@ -241,7 +271,6 @@ class HeliosFamily(DiffusionFamily):
         decision = on_step(steps_before, self._total_steps, {})
         if decision is not StepDecision.CONTINUE:
             return None, decision
-        # 5. Denoise.
         for i, t in enumerate(pipe.scheduler.timesteps):
             with torch.inference_mode():
                 timestep = t.expand(latents.shape[0])
@@ -260,15 +289,7 @@ class HeliosFamily(DiffusionFamily):
             decision = on_step(steps_before + i + 1, self._total_steps, {"latents": latents})
             if decision is not StepDecision.CONTINUE:
                 return None, decision
-        # 6. The chunk becomes history; the first chunk's first frame becomes the prefix.
-        n_history = sum(self.history_sizes)
-        for row, s in enumerate(streams):
-            made = latents[row : row + 1]
-            if s.prefix is None:
-                s.prefix = made[:, :, 0:1].clone()
-            s.history = torch.cat([s.history, made], dim=2)[:, :, -n_history:].clone()
-            s.chunks += 1
-            s._saved_rng = None
+        self._advance(streams, latents)
         return latents, StepDecision.CONTINUE
 
     def _indices(self, batch: int) -> dict[str, torch.Tensor]:
