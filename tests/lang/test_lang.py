@@ -82,7 +82,9 @@ def test_gen_with_choices_is_a_select(backend):
     by_gen = pick.run(via_gen=True, backend=backend)
     by_select = pick.run(via_gen=False, backend=backend)
     scores = by_gen.get_meta_info("city")["scores"]
-    assert scores == by_select.get_meta_info("city")["scores"]
+    # The second run hits the radix cache, so its prefill runs in another shape:
+    # the logprobs agree to float rounding, not bit for bit.
+    assert scores == pytest.approx(by_select.get_meta_info("city")["scores"], abs=1e-3)
     assert by_gen["city"] == by_select["city"] == "Paris"
     assert max(scores) == scores[1] and len(set(scores)) == 3
 
