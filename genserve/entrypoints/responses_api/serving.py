@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from genserve.entrypoints import sse
 from genserve.entrypoints.errors import APIError, not_found
 from genserve.entrypoints.generation import GenerationGroup
 from genserve.entrypoints.openai_api import common
@@ -27,11 +27,6 @@ if TYPE_CHECKING:
     from genserve.entrypoints.state import GatewayState
 
 RESPONSE_STORE_CAPACITY = 1024  # responses kept for GET and previous_response_id (LRU)
-
-
-def _sse(event: Event) -> bytes:
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
 
 
 def _unknown(response_id: str, param: str | None = None) -> APIError:
@@ -119,7 +114,7 @@ class _Turn:
         seq = iter(range(1 << 62))
 
         def emit(event: Event) -> bytes:
-            return _sse({**event, "sequence_number": next(seq)})
+            return sse.typed_event({**event, "sequence_number": next(seq)})
 
         start = self.response("in_progress", [], None)
         yield emit({"type": "response.created", "response": start})
