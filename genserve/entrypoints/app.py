@@ -25,17 +25,20 @@ from genserve.entrypoints.ollama_api.router import build_router as build_ollama_
 from genserve.entrypoints.openai_api.router import build_router as build_openai_router
 from genserve.entrypoints.ops.router import build_router as build_ops_router
 from genserve.entrypoints.realtime.router import build_router as build_realtime_router
+from genserve.entrypoints.responses_api.router import build_router as build_responses_router
 from genserve.entrypoints.state import GatewayState
 from genserve.entrypoints.videos.router import build_router as build_videos_router
+from genserve.entrypoints.webui.router import build_router as build_webui_router
 from genserve.multimodal_gen.client import DiffusionClient
 from genserve.srt.client import LLMEngineClient
 
 
 def _routers(state: GatewayState) -> list[APIRouter]:
-    """Every endpoint family this app serves. The diffusion families (realtime also serves
-    the web UI at `/`) are there when a diffusion runtime is."""
+    """Every endpoint family this app serves. The web UI at `/` is always there; the diffusion
+    families are there when a diffusion runtime is."""
     routers = [build_ops_router(), build_native_router(), build_openai_router(),
-               build_anthropic_router(), build_ollama_router()]
+               build_anthropic_router(), build_ollama_router(), build_responses_router(),
+               build_webui_router()]
     if state.diffusion_client is not None:
         routers += [build_images_router(), build_videos_router(), build_realtime_router()]
     return routers

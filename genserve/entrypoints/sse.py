@@ -1,4 +1,5 @@
-"""Server-sent events framing: `data: <json>\\n\\n`, ending with `data: [DONE]`."""
+"""Server-sent events framing: `data: <json>\\n\\n` (chat and completions end with
+`data: [DONE]`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ DONE = b"data: [DONE]\n\n"
 def event(payload: Any) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() \
         + b"\n\n"
+
+
+def typed_event(payload: dict[str, Any]) -> bytes:
+    """An event named by its payload's `type` (`event: <type>` then `data: <json>`), as
+    OpenAI's Responses and image streams send them."""
+    return f"event: {payload['type']}\n".encode() + event(payload)
 
 
 def response(body: Any, on_close: Callable[[], Awaitable[None]] | None = None

@@ -30,6 +30,7 @@ from genserve.entrypoints.ollama_api.serving import OllamaServing
 from genserve.entrypoints.openai_api.serving_chat import ChatServing
 from genserve.entrypoints.openai_api.serving_completions import CompletionServing
 from genserve.entrypoints.realtime.serving import RealtimeServing
+from genserve.entrypoints.responses_api.serving import ResponsesServing
 from genserve.entrypoints.videos.serving import (
     VIDEO_STORE_MAX_AGE_S,
     VIDEO_STORE_MAX_BYTES,
@@ -54,6 +55,7 @@ class GatewayState:
     completions: CompletionServing = field(init=False)
     messages: MessagesServing = field(init=False)  # Anthropic /v1/messages
     ollama: OllamaServing = field(init=False)  # the Ollama API under /api/
+    responses: ResponsesServing = field(init=False)  # OpenAI /v1/responses and its store
     # The diffusion families' serving objects; None when no diffusion model is served.
     images: ImageServing | None = field(init=False, default=None)
     videos: VideoServing | None = field(init=False, default=None)
@@ -75,6 +77,7 @@ class GatewayState:
         self.completions = CompletionServing(self)
         self.messages = MessagesServing(self)
         self.ollama = OllamaServing(self)
+        self.responses = ResponsesServing(self)
         client = self.diffusion_client
         if client is not None:
             output_dir = envs.GENSERVE_OUTPUT_DIR.get()
@@ -169,3 +172,7 @@ def get_messages_serving(conn: HTTPConnection) -> MessagesServing:
 
 def get_ollama_serving(conn: HTTPConnection) -> OllamaServing:
     return get_state(conn).ollama
+
+
+def get_responses_serving(conn: HTTPConnection) -> ResponsesServing:
+    return get_state(conn).responses

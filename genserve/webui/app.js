@@ -592,5 +592,27 @@
   ctx.fillRect(0, 0, canvas.width, canvas.height);
   setInterval(updateReadouts, 250);
   requestAnimationFrame(draw);
-  connect();
+  boot();
+
+  // A server without a diffusion model has no realtime socket and nothing to draw: the page
+  // opens on the chat panel alone. When /v1/models cannot be read, the socket's retries
+  // report the server's state.
+  async function boot() {
+    let kinds = null;
+    try {
+      const headers = apiKey ? { Authorization: `Bearer ${apiKey}` } : {};
+      const response = await fetch("/v1/models", { headers });
+      if (response.ok) kinds = (await response.json()).data.map((m) => m.kind);
+    } catch (err) {
+      kinds = null;
+    }
+    if (kinds !== null && !kinds.includes("diffusion")) {
+      document.body.dataset.panel = "chat";
+      document.title = "genserve · chat";
+      $("subtitle").textContent = "chat";
+      setConnection("open", "chat only");
+      return;
+    }
+    connect();
+  }
 })();

@@ -57,3 +57,7 @@ def test_diffusion_routes_only_with_a_diffusion_client():
     r = client.post("/v1/images/generations", json={"prompt": "a cat"})
     assert r.status_code == 404 and "Unknown route" in r.json()["error"]["message"]
     assert client.get("/v1/videos").status_code == 404
+    # The web UI is served all the same (it opens on its chat panel).
+    page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert client.get("/ui/chat.js").status_code == 200

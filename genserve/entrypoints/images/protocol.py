@@ -14,6 +14,9 @@ class _ImageParams(DiffusionParams):
     response_format: Literal["b64_json", "url"] = "b64_json"
     output_format: Literal["png", "jpeg", "webp"] = "png"
     output_compression: int | None = Field(default=None, ge=0, le=100)  # jpeg/webp quality
+    # Server-sent events: `partial_images` previews of the denoising, then the final image.
+    stream: bool = False
+    partial_images: int = Field(default=0, ge=0, le=3)
     # OpenAI fields this server accepts and ignores (a diffusion model has no such knobs).
     quality: str | None = None
     style: str | None = None

@@ -1,4 +1,5 @@
-"""Image generation and edits: validate, run on the diffusion client, encode, store (no torch)."""
+"""Image generation and edits: validate, run on the diffusion client, encode, store (no torch);
+streamed with partial images when asked (`streaming.py`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fastapi.responses import Response
+
+from genserve.entrypoints import sse
 from genserve.entrypoints.admission import Admission, new_rid
 from genserve.entrypoints.diffusion.serving import (
     DiffusionRun,
@@ -17,6 +21,7 @@ from genserve.entrypoints.diffusion.serving import (
 )
 from genserve.entrypoints.errors import bad_request, not_found
 from genserve.entrypoints.images.protocol import ImageEditRequest, ImageGenerationRequest
+from genserve.entrypoints.images.streaming import ImageStream
 from genserve.entrypoints.metrics import GatewayMetrics
 from genserve.multimodal_gen.client import DiffusionClient
 from genserve.multimodal_gen.encoding import encode_image
@@ -44,12 +49,13 @@ class ImageServing:
         self.admission = admission
         self.metrics = metrics
 
-    async def generate(self, body: ImageGenerationRequest, base_url: str) -> dict[str, Any]:
+    async def generate(self, body: ImageGenerationRequest, base_url: str
+                       ) -> dict[str, Any] | Response:
         spec = resolve_model(self.client, body.model, TEXT_TO_IMAGE, "/v1/images/generations")
         return await self._run(body, spec, base_url)
 
     async def edit(self, body: ImageEditRequest, files: dict[str, list[bytes]],
-                   base_url: str) -> dict[str, Any]:
+                   base_url: str) -> dict[str, Any] | Response:
         """Image-to-image on a text-to-image model (`strength`), instruction editing on an
         image-edit model (several images where it takes them), inpainting with `mask`."""
         spec = resolve_model(self.client, body.model, (TEXT_TO_IMAGE, IMAGE_EDIT, INPAINTING),
@@ -87,7 +93,10 @@ class ImageServing:
     async def _run(self, body: ImageGenerationRequest | ImageEditRequest, spec: ModelSpec,
                    base_url: str, init_image: bytes | None = None,
                    strength: float | None = None, reference_images: tuple[bytes, ...] = (),
-                   mask_image: bytes | None = None) -> dict[str, Any]:
+                   mask_image: bytes | None = None) -> dict[str, Any] | Response:
+        if body.stream and body.n != 1:
+            raise bad_request("a streamed image request makes one image: give n=1",
+                              param="n")
         width, height = parse_size_param(body.size)
         req = DiffusionRequest(
             request_id=new_rid("img-"),
@@ -106,11 +115,26 @@ class ImageServing:
             reference_images=reference_images,
             mask_image=mask_image,
             loras=body.lora,
-            progress=False,  # an image response waits for the result
+            # Previews only for streamed partial images; else no step events at all, as an
+            # image response waits for the result.
+            preview=body.stream and body.partial_images > 0,
+            progress=False,
         )
-        result = await DiffusionRun(self.client, self.admission, self.metrics, req).result()
-        quality = body.output_compression if body.output_compression is not None else 90
+        run = DiffusionRun(self.client, self.admission, self.metrics, req)
+        quality = max(1, body.output_compression if body.output_compression is not None
+                      else 90)
         fmt = body.output_format
+        if body.stream:
+            kind = "image_edit" if isinstance(body, ImageEditRequest) else "image_generation"
+
+            def encode_final(frame: Any) -> tuple[str, str]:
+                image_id = new_rid("img_")
+                return image_id, self._encode_and_store(image_id, frame, fmt, quality, True) or ""
+
+            stream = ImageStream(kind, run, body.partial_images, fmt, quality, encode_final)
+            events = await stream.first()
+            return sse.response(stream.body(events), on_close=stream.close)
+        result = await run.result()
         data = []
         b64 = body.response_format != "url"
         for frames, seed in zip(result.outputs, result.seeds or [None] * len(result.outputs),
@@ -118,7 +142,7 @@ class ImageServing:
             image_id = new_rid("img_")
             # One trip to a worker thread: encode, store, and base64 for the response.
             encoded = await asyncio.to_thread(self._encode_and_store, image_id, frames[0], fmt,
-                                              max(1, quality), b64)
+                                              quality, b64)
             item: dict[str, Any] = {"id": image_id, "seed": seed, "revised_prompt": None}
             if b64:
                 item["b64_json"] = encoded

@@ -1,0 +1,180 @@
+"""Responses requests as chat completion requests, so that /v1/responses runs on the chat
+endpoint's prompt rendering, image path, tool-call machinery and grammar enforcement.
+
+A conversation continued with `previous_response_id` is the stored chat messages of the
+earlier turns (`store.StoredResponse.messages`) followed by this request's input; the earlier
+`instructions` are not carried over, as OpenAI documents."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from genserve.entrypoints.errors import bad_request
+from genserve.entrypoints.openai_api.protocol import ChatCompletionRequest
+
+from .protocol import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputImage,
+    InputText,
+    MessageItem,
+    ResponsesRequest,
+)
+
+# Input item types that carry nothing a chat prompt renders (reasoning sent back with the
+# previous output): skipped.
+_SKIPPED = {"reasoning"}
+
+
+def _parse(model: type[BaseModel], data: Any, where: str) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first.get("loc", ()))
+        field = f"{where}.{loc}" if loc else where
+        raise bad_request(f"Invalid value for {field!r}: {first.get('msg', 'invalid')}.",
+                          param=field) from None
+
+
+def _parts(content: str | list[dict[str, Any]], role: str, where: str
+           ) -> str | list[dict[str, Any]]:
+    """A message item's content as chat content: a string, or text and image_url parts."""
+    if isinstance(content, str):
+        return content
+    parts: list[dict[str, Any]] = []
+    for j, raw in enumerate(content):
+        here = f"{where}.{j}"
+        kind = raw.get("type") if isinstance(raw, dict) else None
+        if kind in ("input_text", "output_text"):
+            parts.append({"type": "text", "text": _parse(InputText, raw, here).text})
+        elif kind == "refusal":
+            parts.append({"type": "text", "text": str(raw.get("refusal", ""))})
+        elif kind == "input_image":
+            image = _parse(InputImage, raw, here)
+            if role != "user":
+                raise bad_request(f"{here}: only user messages may hold images.", param=here)
+            if not image.image_url:
+                raise bad_request(f"{here}: give the image as 'image_url' (a URL or a data URL); "
+                                  "file ids are not supported.", param=here)
+            parts.append({"type": "image_url", "image_url": {"url": image.image_url}})
+        else:
+            raise bad_request(f"{here}: content type {kind!r} is not supported; use input_text "
+                              "or input_image.", param=here)
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def _output_text(output: str | list[dict[str, Any]], where: str) -> str:
+    if isinstance(output, str):
+        return output
+    texts = []
+    for j, part in enumerate(output):
+        if not isinstance(part, dict) or part.get("type") != "input_text":
+            raise bad_request(f"{where}.{j}: a function_call_output holds text only.",
+                              param=f"{where}.{j}")
+        texts.append(str(part.get("text", "")))
+    return "".join(texts)
+
+
+def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """This request's `input` as chat messages (without `instructions`)."""
+    if isinstance(body.input, str):
+        return [{"role": "user", "content": body.input}]
+    out: list[dict[str, Any]] = []
+    for k, raw in enumerate(body.input):
+        where = f"input.{k}"
+        if not isinstance(raw, dict):
+            raise bad_request(f"{where}: an input item must be an object.", param=where)
+        kind = raw.get("type", "message")
+        if kind == "message":
+            item = _parse(MessageItem, raw, where)
+            out.append({"role": item.role,
+                        "content": _parts(item.content, item.role, f"{where}.content")})
+        elif kind == "function_call":
+            call = _parse(FunctionCallItem, raw, where)
+            entry = {"id": call.call_id, "type": "function",
+                     "function": {"name": call.name, "arguments": call.arguments}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(entry)  # one turn, several calls
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [entry]})
+        elif kind == "function_call_output":
+            result = _parse(FunctionCallOutputItem, raw, where)
+            out.append({"role": "tool", "tool_call_id": result.call_id,
+                        "content": _output_text(result.output, f"{where}.output")})
+        elif kind not in _SKIPPED:
+            raise bad_request(f"{where}: input item type {kind!r} is not supported; use "
+                              "message, function_call or function_call_output items.",
+                              param=where)
+    if not out:
+        raise bad_request("'input' holds no message.", param="input")
+    return out
+
+
+def _tools(body: ResponsesRequest) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if body.tools:
+        tools = []
+        for k, tool in enumerate(body.tools):
+            if tool.type != "function":
+                raise bad_request(f"tools.{k}: tool type {tool.type!r} is not supported; give "
+                                  "function tools.", param=f"tools.{k}.type")
+            if not tool.name:
+                raise bad_request(f"tools.{k}: a function tool needs a 'name'.",
+                                  param=f"tools.{k}.name")
+            tools.append({"type": "function", "function": {
+                "name": tool.name, "description": tool.description,
+                "parameters": tool.parameters, "strict": tool.strict}})
+        fields["tools"] = tools
+    choice = body.tool_choice
+    if isinstance(choice, str):
+        fields["tool_choice"] = choice
+    elif choice is not None:
+        if choice.type != "function" or not choice.name:
+            raise bad_request(f"tool_choice of type {choice.type!r} is not supported; give "
+                              "auto, none, required or {\"type\": \"function\", \"name\": ...}.",
+                              param="tool_choice")
+        fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    if body.parallel_tool_calls is not None:
+        fields["parallel_tool_calls"] = body.parallel_tool_calls
+    return fields
+
+
+def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
+    fmt = body.text.format if body.text else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.schema_ is None:
+        raise bad_request("text.format of type json_schema needs a 'schema'.",
+                          param="text.format.schema")
+    return {"type": "json_schema", "json_schema": {
+        "name": fmt.name or "output", "schema": fmt.schema_, "strict": fmt.strict}}
+
+
+def to_chat(body: ResponsesRequest, history: list[dict[str, Any]],
+            messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request this Responses request means: `instructions`, the stored `history`
+    of a continued conversation, then `messages` (this request's `input_messages`)."""
+    if body.background:
+        raise bad_request("Background responses are not supported.", param="background")
+    if body.conversation is not None:
+        raise bad_request("'conversation' is not supported; continue a conversation with "
+                          "'previous_response_id'.", param="conversation")
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    fields: dict[str, Any] = {
+        "model": body.model, "messages": [*system, *history, *messages], **_tools(body),
+        "max_tokens": body.max_output_tokens, "temperature": body.temperature,
+        "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stream": body.stream,
+        "response_format": _response_format(body)}
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise bad_request(f"Invalid request ({where}): {first.get('msg', 'invalid')}.") from None

@@ -1,0 +1,1 @@
+"""The browser client: `/` and its static files, served whenever the gateway runs."""
