@@ -1,0 +1,84 @@
+"""N-gram (prompt lookup) proposals: when the last few tokens of a request occurred earlier in
+its prompt or output, the tokens that followed them there are likely to follow again (code
+edits, extraction, answers that quote their input).
+
+Each request keeps an index from n-gram to the end of its most recent earlier occurrence, for
+every n in [min_n, max_n]; the index grows with the request's output, so a proposal costs a few
+dictionary lookups. Requests whose drafts keep failing back off exponentially, so speculation
+stays off where it does not pay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_MAX_BACKOFF = 32  # decode steps a request skips speculation after repeated misses
+
+
+@dataclass
+class NgramState:
+    """One request's n-gram index and acceptance record."""
+
+    tokens: list[int] = field(default_factory=list)  # prompt + output seen so far
+    prompt_len: int = 0
+    # (n-gram tuple) -> index just past its most recent occurrence that has a follower.
+    table: dict[tuple[int, ...], int] = field(default_factory=dict)
+    indexed: int = 0  # n-grams ending before this index are in `table`
+    skip: int = 0  # decode steps left without speculation
+    backoff: int = 1
+    proposed: int = 0
+    accepted: int = 0
+
+
+class NgramProposer:
+    def __init__(self, num_draft_tokens: int, min_n: int, max_n: int) -> None:
+        if num_draft_tokens < 1:
+            raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram match windows need 1 <= min <= max, got {min_n}, {max_n}")
+        self.num_draft_tokens = num_draft_tokens
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, state: NgramState, prompt: list[int], output: list[int],
+                limit: int) -> list[int]:
+        """Up to min(num_draft_tokens, limit) tokens that followed the longest earlier match of
+        the context's last n tokens (the most recent such match); [] when none matches or the
+        request is backing off."""
+        self._sync(state, prompt, output)
+        if state.skip > 0:
+            state.skip -= 1
+            return []
+        limit = min(limit, self.num_draft_tokens)
+        if limit <= 0:
+            return []
+        toks = state.tokens
+        for n in range(min(self.max_n, len(toks) - 1), self.min_n - 1, -1):
+            end = state.table.get(tuple(toks[-n:]))
+            if end is not None:
+                return toks[end : end + limit]
+        return []
+
+    def record(self, state: NgramState, proposed: int, accepted: int) -> None:
+        """Count a verified draft; a draft with nothing accepted doubles the back-off."""
+        state.proposed += proposed
+        state.accepted += accepted
+        if accepted == 0:
+            state.skip = state.backoff
+            state.backoff = min(state.backoff * 2, _MAX_BACKOFF)
+        else:
+            state.backoff = 1
+
+    def _sync(self, state: NgramState, prompt: list[int], output: list[int]) -> None:
+        """Bring the index up to date with the request's tokens (rebuilt if they shrank)."""
+        seen = len(state.tokens) - state.prompt_len
+        if state.prompt_len != len(prompt) or seen > len(output):
+            state.tokens, state.table, state.indexed = list(prompt), {}, 0
+            state.prompt_len, seen = len(prompt), 0
+        state.tokens.extend(output[seen:])
+        toks, table = state.tokens, state.table
+        # An n-gram ending at `end` is indexed once a token follows it (end < len(toks)).
+        for end in range(max(state.indexed, 1), len(toks)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                table[tuple(toks[end - n : end])] = end
+        state.indexed = max(state.indexed, len(toks))
