@@ -129,13 +129,16 @@ def main() -> None:
     ap.add_argument("--draft-tokens", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--dtype", default="auto",
+                    help="float32 makes plain and verify forwards round alike, so greedy outputs "
+                         "must be identical (bf16 extend and decode kernels round differently)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--limit", type=int, default=None, help="run only the first N of each set")
     args = ap.parse_args()
 
     from genserve import Engine
 
-    common = dict(quantization=args.quantization, compile=args.compile)
+    common = dict(quantization=args.quantization, compile=args.compile, dtype=args.dtype)
     spec_kw = {"speculative_algorithm": "ngram"}
     if args.draft_tokens:
         spec_kw["speculative_num_draft_tokens"] = args.draft_tokens
@@ -162,7 +165,7 @@ def main() -> None:
             "speedup": round(rate["ngram"] / rate["plain"], 3),
             "identical_outputs": res["plain"]["outputs"] == res["ngram"]["outputs"],
             "acceptance": round(accepted / drafted, 3) if drafted else None,
-            "tokens_per_forward": round(
+            "tokens_per_decode_step": round(
                 res["ngram"]["tokens"]
                 / max(1, after["decode_steps"] - before["decode_steps"]), 2),
         }

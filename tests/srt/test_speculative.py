@@ -201,3 +201,27 @@ def test_bad_speculative_arguments_are_refused(tiny):
     with pytest.raises(ValueError, match="1 <= min <= max"):
         Engine(tiny, speculative_algorithm="ngram", speculative_ngram_min_match_window_size=4,
                speculative_ngram_max_match_window_size=2)
+
+
+def test_draft_length_follows_acceptance_and_cost():
+    from genserve.srt.speculative.ngram import ForwardCost, best_draft_len
+
+    assert best_draft_len(1.0, 0.0, 5) == 5  # free and always accepted: the longest
+    assert best_draft_len(0.9, 0.2, 8) > best_draft_len(0.6, 0.2, 8) > 0
+    assert best_draft_len(0.3, 0.4, 8) == 0  # costs more than it brings: decode plainly
+    cost = ForwardCost()
+    assert cost.rho == 0.0  # nothing measured: drafts look free
+    cost.record_decode(0.030)
+    cost.record_verify(0.030 + 4 * 0.006, extra_tokens=4)
+    assert cost.rho == pytest.approx(0.2)
+    cost.record_decode(5.0)  # a stall is not the step's cost
+    assert cost.step_s == pytest.approx(0.030)
+    # The proposer cuts its draft to what pays for this request.
+    prop = NgramProposer(num_draft_tokens=4, min_n=1, max_n=2)
+    state = NgramState()
+    ctx = [1, 2, 3, 4, 5, 6, 1, 2]
+    assert prop.propose(state, ctx, [], limit=8, rho=0.2) == [3, 4, 5, 6]
+    for _ in range(6):
+        prop.record(state, proposed=4, accepted=1)
+    state.skip = 0
+    assert len(prop.propose(state, ctx, [], limit=8, rho=0.2)) < 4

@@ -408,11 +408,14 @@ class Scheduler:
             slots,
             **(self.mm.prepare_decode(reqs) if self.mm is not None else {}),
         )
+        started = time.perf_counter()
         logits = self.runner.forward(fb)
         self.stats["decode_steps"] += 1
         for req in reqs:
             req.kv_len += 1
         self._sample(reqs, logits)
+        if self.spec is not None:  # what a plain step costs, against which drafts are priced
+            self.spec.cost.record_decode(time.perf_counter() - started)
         still = []
         for req in reqs:
             if req.finished:

@@ -9,6 +9,7 @@ extends and are sampled by the plain sampler, so a batch mixes both freely.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,7 +18,7 @@ from genserve.srt.forward_batch import ForwardMode
 from genserve.srt.messages import ReqOutput
 from genserve.srt.server_args import EngineArgs
 from genserve.srt.speculative import NgramProposer, can_speculate, verify_draft
-from genserve.srt.speculative.ngram import NgramState
+from genserve.srt.speculative.ngram import ForwardCost, NgramState
 
 if TYPE_CHECKING:
     from genserve.srt.scheduler.req import Req
@@ -33,6 +34,7 @@ class NgramSpeculation:
             args.speculative_ngram_min_match_window_size,
             args.speculative_ngram_max_match_window_size,
         )
+        self.cost = ForwardCost()
 
     def drafts(self, reqs: list[Req], context_length: int) -> list[list[int]]:
         out = []
@@ -46,7 +48,7 @@ class NgramSpeculation:
             limit = min(req.params.max_new_tokens - len(req.output_ids),
                         context_length - req.seq_len) - 1
             out.append(self.proposer.propose(req.spec_state, req.origin_input_ids,
-                                             req.output_ids, limit))
+                                             req.output_ids, limit, self.cost.rho))
         return out
 
 
@@ -86,6 +88,7 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
         slots,
     )
     fb.logits_indices = torch.arange(need, dtype=torch.int64, device=s.device)
+    started = time.perf_counter()
     logits = s.runner.forward(fb)
     s.stats["decode_steps"] += 1
     s.stats["spec_verify_steps"] += 1
@@ -117,6 +120,7 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
         start += n
     if plain:
         s._sample(plain, logits[plain_rows])
+    s.spec.cost.record_verify(time.perf_counter() - started, need - len(reqs))
     still = []
     for req in reqs:
         if req.finished:
