@@ -58,6 +58,17 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
                         "tool_choice required). Default xgrammar.")
     g.add_argument("--disable-jump-forward", action="store_true",
                    help="Decode grammar-forced text token by token instead of appending it.")
+    g.add_argument("--speculative-algorithm", default=None,
+                   choices=llm_args.SPECULATIVE_ALGORITHMS,
+                   help="Speculative decoding. ngram: draft tokens by prompt lookup (the "
+                        "request's own prompt and output) and verify them in one forward; "
+                        "greedy output is unchanged, sampled output keeps its distribution.")
+    g.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="Draft tokens verified per decode step (default 4).")
+    g.add_argument("--speculative-ngram-min-match-window-size", type=int, default=None,
+                   help="ngram: shortest context suffix that may match (default 2).")
+    g.add_argument("--speculative-ngram-max-match-window-size", type=int, default=None,
+                   help="ngram: longest context suffix tried first (default 6).")
     g.add_argument("--max-images-per-request", type=int, default=None,
                    help="Vision models: images one request may carry (default 16).")
     g.add_argument("--image-cache-bytes", type=int, default=None,

@@ -48,7 +48,9 @@ def engine_args_from(args: argparse.Namespace, model_path: str | None) -> Any:
     }
     for name in ("dtype", "mem_fraction", "chunked_prefill_size", "page_size", "num_threads",
                  "grammar_backend", "max_images_per_request", "image_cache_bytes",
-                 "quantization", "compile", "tp_size"):
+                 "quantization", "compile", "tp_size", "speculative_algorithm",
+                 "speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
+                 "speculative_ngram_max_match_window_size"):
         value = getattr(args, name, None)
         if value is not None:  # else the runtime's default
             kwargs[name] = value
@@ -102,13 +104,18 @@ def default_llm_paths(tp_size: int = 1) -> list[str | None]:
 def llm_engine_args(args: argparse.Namespace, path: str | None) -> Any:
     """`engine_args_from`, except that the vision-language demo model served beside the
     embedded SmolLM2 by default keeps its own weights under an explicit --quantization
-    int8wo / int4wo (which serves text models) instead of failing the whole server."""
+    int8wo / int4wo and decodes plainly under --speculative-algorithm (both serve text models)
+    instead of failing the whole server."""
     engine_args = engine_args_from(args, path)
     if not args.model_path and path == "shapes-vl" and engine_args.quantization in (
             "int8wo", "int4wo"):
         logger.info("shapes-vl (the vision-language demo model) runs unquantized: "
                     "--quantization %s applies to text models", engine_args.quantization)
         engine_args = dataclasses.replace(engine_args, quantization="none")
+    if not args.model_path and path == "shapes-vl" and engine_args.speculative_algorithm:
+        logger.info("shapes-vl (the vision-language demo model) decodes without speculation: "
+                    "--speculative-algorithm applies to text models")
+        engine_args = dataclasses.replace(engine_args, speculative_algorithm=None)
     return engine_args
 
 

@@ -10,6 +10,7 @@ KERNELS = ("torch", "triton")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 QUANTIZATIONS = ("none", "int8wo", "int4wo", "auto")
+SPECULATIVE_ALGORITHMS = ("ngram",)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,13 @@ class EngineArgs:
     # Tensor parallelism: ranks that split every layer's heads and columns (gloo on CPU, NCCL
     # over one GPU per rank on CUDA).
     tp_size: int = 1
+    # Speculative decoding (SGLang's flag names): None = off; "ngram" drafts from the request's
+    # own prompt and output and verifies up to num_draft_tokens per decode step, matching its
+    # last 1..max tokens (longest first, at least min).
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    speculative_ngram_min_match_window_size: int = 2
+    speculative_ngram_max_match_window_size: int = 6
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -105,6 +113,18 @@ class EngineArgs:
             )
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
+            raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
+                             f"got {self.speculative_algorithm!r}")
+        if not 1 <= self.speculative_num_draft_tokens <= 64:
+            raise ValueError("speculative_num_draft_tokens must be in [1, 64], got "
+                             f"{self.speculative_num_draft_tokens}")
+        if not (1 <= self.speculative_ngram_min_match_window_size
+                <= self.speculative_ngram_max_match_window_size):
+            raise ValueError(
+                "speculative n-gram match windows need 1 <= min <= max, got "
+                f"{self.speculative_ngram_min_match_window_size} and "
+                f"{self.speculative_ngram_max_match_window_size}")
         if self.tp_size > 1 and self.quantization in ("int8wo", "int4wo"):
             raise ValueError(
                 f"--quantization {self.quantization} is not supported with --tp > 1; "

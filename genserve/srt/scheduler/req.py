@@ -54,6 +54,7 @@ class Req:
         self.last_node: Any = None
         self.cached_tokens = -1  # prefix-cache hit at first admission; -1 = not admitted yet
         self.retractions = 0
+        self.spec_state: Any = None  # speculative decoding: the proposer's per-request state
 
         self.generator: torch.Generator | None = None
         if self.params.seed is not None:

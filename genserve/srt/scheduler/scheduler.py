@@ -37,6 +37,7 @@ from genserve.srt.scheduler.introspection import (
 from genserve.srt.scheduler.kv_ownership import insert_prefix, release_req
 from genserve.srt.scheduler.policy import create_policy
 from genserve.srt.scheduler.req import Req
+from genserve.srt.scheduler.speculative import NgramSpeculation, run_speculative_decode
 from genserve.srt.server_args import EngineArgs
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,10 @@ class Scheduler:
         self.policy = create_policy(args.schedule_policy)
         self.sampler = Sampler()
         self.mm = create_multimodal_runtime(runner, args)  # None for text-only models
+        if args.speculative_algorithm is not None and self.mm is not None:
+            raise ValueError("speculative decoding is not supported for vision-language models; "
+                             "drop --speculative-algorithm")
+        self.spec = NgramSpeculation(args) if args.speculative_algorithm == "ngram" else None
         self.eos_ids = frozenset(runner.config.eos_token_ids)
         self.vocab_size = runner.config.vocab_size
         self.grammar = create_grammar_backend(
@@ -97,6 +102,9 @@ class Scheduler:
             "prefill_batches": 0,
             "decode_steps": 0,
             "jump_forward_tokens": 0,
+            "spec_verify_steps": 0,  # decode steps that verified drafts
+            "spec_draft_tokens": 0,
+            "spec_accepted_tokens": 0,
         }
 
     # ---- requests in and out ----------------------------------------------------------------
@@ -152,7 +160,8 @@ class Scheduler:
         elif any(r.seq_len - r.kv_len > 1 for r in self.running):
             self._run_extend_running(outputs)  # jump-forward tokens need their KV
         elif self.running:
-            self._run_decode(outputs)
+            if self.spec is None or not run_speculative_decode(self, outputs):
+                self._run_decode(outputs)
         else:
             return outputs
         if logger.isEnabledFor(logging.DEBUG):
@@ -399,11 +408,14 @@ class Scheduler:
             slots,
             **(self.mm.prepare_decode(reqs) if self.mm is not None else {}),
         )
+        started = time.perf_counter()
         logits = self.runner.forward(fb)
         self.stats["decode_steps"] += 1
         for req in reqs:
             req.kv_len += 1
         self._sample(reqs, logits)
+        if self.spec is not None:  # what a plain step costs, against which drafts are priced
+            self.spec.cost.record_decode(time.perf_counter() - started)
         still = []
         for req in reqs:
             if req.finished:

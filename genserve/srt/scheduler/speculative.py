@@ -1,0 +1,133 @@
+"""A decode step with speculation: the running requests' drafts are verified in one extend
+forward (each request feeds its last token and its draft, and every position gets logits), each
+request appends its accepted tokens plus one from the target, and the KV slots of rejected draft
+tokens go back to the free list in the same step.
+
+Requests that cannot speculate (see `can_speculate`) or have no draft ride along as one-token
+extends and are sampled by the plain sampler, so a batch mixes both freely.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from genserve.srt.forward_batch import ForwardMode
+from genserve.srt.messages import ReqOutput
+from genserve.srt.server_args import EngineArgs
+from genserve.srt.speculative import NgramProposer, can_speculate, verify_draft
+from genserve.srt.speculative.ngram import ForwardCost, NgramState
+
+if TYPE_CHECKING:
+    from genserve.srt.scheduler.req import Req
+    from genserve.srt.scheduler.scheduler import Scheduler
+
+
+class NgramSpeculation:
+    """`--speculative-algorithm ngram`: drafts from prompt lookup."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.proposer = NgramProposer(
+            args.speculative_num_draft_tokens,
+            args.speculative_ngram_min_match_window_size,
+            args.speculative_ngram_max_match_window_size,
+        )
+        self.cost = ForwardCost()
+
+    def drafts(self, reqs: list[Req], context_length: int) -> list[list[int]]:
+        out = []
+        for req in reqs:
+            if not can_speculate(req):
+                out.append([])
+                continue
+            if req.spec_state is None:
+                req.spec_state = NgramState()
+            # Room for the draft plus the target's token, within max_new_tokens and the context.
+            limit = min(req.params.max_new_tokens - len(req.output_ids),
+                        context_length - req.seq_len) - 1
+            out.append(self.proposer.propose(req.spec_state, req.origin_input_ids,
+                                             req.output_ids, limit, self.cost.rho))
+        return out
+
+
+def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
+    """One decode step of `s.running` with drafts; False (nothing done) when no request has a
+    draft or the pool has no room for the drafts, and the caller decodes plainly."""
+    assert s.spec is not None
+    if not any(can_speculate(r) for r in s.running):
+        return False
+    if not s._fit_running(outputs):
+        return True  # a lone request that cannot fit has ended
+    reqs = s.running
+    drafts = s.spec.drafts(reqs, s.context_length)
+    if not any(drafts):
+        return False
+    lens = [1 + len(d) for d in drafts]
+    need = sum(lens)
+    short = need - s.allocator.available_size()
+    if short > 0:
+        s.cache.evict(short)
+    slots = s.allocator.alloc(need) if s.allocator.available_size() >= need else None
+    if slots is None:
+        return False
+    input_ids: list[int] = []
+    start = 0
+    for req, draft, n in zip(reqs, drafts, lens, strict=True):
+        s.req_to_token_pool.write(req.row, req.kv_len, slots[start : start + n])
+        input_ids.append(req.output_ids[-1])  # the last token, which has no KV yet
+        input_ids.extend(draft)
+        start += n
+    fb = s.runner.build_forward_batch(
+        ForwardMode.EXTEND,
+        [r.row for r in reqs],  # type: ignore[misc]
+        input_ids,
+        [r.kv_len for r in reqs],
+        lens,
+        slots,
+    )
+    fb.logits_indices = torch.arange(need, dtype=torch.int64, device=s.device)
+    started = time.perf_counter()
+    logits = s.runner.forward(fb)
+    s.stats["decode_steps"] += 1
+    s.stats["spec_verify_steps"] += 1
+    plain: list[Req] = []
+    plain_rows: list[int] = []
+    start = 0
+    for req, draft, n in zip(reqs, drafts, lens, strict=True):
+        if not draft:
+            req.kv_len += 1
+            plain.append(req)
+            plain_rows.append(start)
+        else:
+            tokens = verify_draft(logits[start : start + n], draft, req.params, req.generator)
+            appended = 0
+            for token in tokens:
+                req.append_token(token, s.eos_ids, s.context_length)
+                appended += 1
+                if req.finished:
+                    break
+            # KV stays for the last token and the accepted draft tokens now in the sequence;
+            # the rest of the draft's slots are free again.
+            req.kv_len += appended
+            if appended < n:
+                s.allocator.free(slots[start + appended : start + n])
+            s.spec.proposer.record(req.spec_state, len(draft), len(tokens) - 1)
+            s.stats["spec_draft_tokens"] += len(draft)
+            s.stats["spec_accepted_tokens"] += len(tokens) - 1
+            s.stats["generated_tokens"] += appended
+        start += n
+    if plain:
+        s._sample(plain, logits[plain_rows])
+    s.spec.cost.record_verify(time.perf_counter() - started, need - len(reqs))
+    still = []
+    for req in reqs:
+        if req.finished:
+            s._finish(req, outputs)
+        else:
+            still.append(req)
+            if req.stream:
+                outputs.append(req.make_output())
+    s.running = still
+    return True

@@ -1,0 +1,13 @@
+"""Speculative decoding: cheap proposals for a request's next tokens, checked by one forward of
+the target model, so a decode step can emit several tokens.
+
+`ngram.py` proposes tokens by prompt lookup (the request's own prompt and output);
+`verify.py` accepts or rejects them so that greedy output is unchanged and sampled output keeps
+the target distribution; the scheduler (`scheduler/speculative.py`) runs the verify forward and
+returns rejected tokens' KV slots.
+"""
+
+from genserve.srt.speculative.ngram import NgramProposer
+from genserve.srt.speculative.verify import can_speculate, verify_draft
+
+__all__ = ["NgramProposer", "can_speculate", "verify_draft"]

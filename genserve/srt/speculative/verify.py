@@ -1,0 +1,99 @@
+"""Checking a draft against the target model's logits.
+
+Greedy requests accept the longest draft prefix equal to the target's argmax at each position,
+then take the target's own next token: the output is token for token what plain decoding gives.
+Sampled requests use speculative rejection sampling with a deterministic draft (a point mass on
+each draft token): draft token d at a position is kept with probability p(d), and on rejection
+the token is drawn from p with d removed, renormalised; this keeps the target distribution p
+exactly (Leviathan et al., 2023). p is the request's processed distribution (temperature,
+top-k, top-p, min-p), as the plain sampler builds it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from genserve.srt.sampling.processors import (
+    apply_min_p,
+    apply_temperature,
+    apply_top_k,
+    apply_top_p,
+    sample_from_probs,
+)
+from genserve.srt.sampling.sampling_params import SamplingParams
+
+
+def can_speculate(req: Any) -> bool:
+    """Whether a request's next tokens can be verified in bulk: its per-token sampling must not
+    depend on the tokens drafted before it in the same step (grammar state, penalties, the
+    min_new_tokens mask), and nothing per token is reported (logprobs). Others decode plainly,
+    in the same forward."""
+    p: SamplingParams = req.params
+    return (
+        req.grammar is None
+        and p.grammar_key is None
+        and not req.return_logprob
+        and req.top_logprobs_num == 0
+        and not req.token_ids_logprob
+        and not p.needs_penalties
+        and not p.logit_bias
+        and len(req.output_ids) >= p.min_new_tokens
+        and req.mm_inputs is None
+    )
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution plain sampling draws from, for each row of logits [R, V] of one
+    request (float32, processed the same way as `Sampler._sample_mixed`)."""
+    rows = logits.shape[0]
+    x = logits.float()
+    dev = x.device
+    if params.temperature != 1.0:
+        x = apply_temperature(x, torch.full((rows,), params.temperature, device=dev))
+    if 0 < params.top_k < x.shape[1]:
+        x = apply_top_k(x, torch.full((rows,), params.top_k, dtype=torch.long, device=dev))
+    if params.top_p < 1.0:
+        x = apply_top_p(x, torch.full((rows,), params.top_p, device=dev))
+    if params.min_p > 0.0:
+        x = apply_min_p(x, torch.full((rows,), params.min_p, device=dev))
+    return torch.softmax(x, dim=-1)
+
+
+def verify_draft(logits: torch.Tensor, draft: list[int], params: SamplingParams,
+                 generator: torch.Generator | None) -> list[int]:
+    """Tokens to append: the accepted draft prefix and one token from the target.
+
+    logits: [len(draft) + 1, V], row j scoring the token after draft[:j]."""
+    if logits.shape[0] != len(draft) + 1:
+        raise ValueError(f"need {len(draft) + 1} logit rows for a draft of {len(draft)}, "
+                         f"got {logits.shape[0]}")
+    if params.is_greedy:
+        target = logits.argmax(dim=-1).tolist()
+        out: list[int] = []
+        for j, token in enumerate(draft):
+            if target[j] != token:
+                break
+            out.append(token)
+        out.append(target[len(out)])
+        return out
+    probs = target_probs(logits, params)
+    dev = probs.device
+    out = []
+    for j, token in enumerate(draft):
+        p = probs[j]
+        u = torch.rand((), generator=generator, device=dev)
+        if u < p[token]:
+            out.append(token)
+            continue
+        residual = p.clone()
+        residual[token] = 0.0
+        total = residual.sum()
+        if total <= 0:  # p was a point mass on the draft token: cannot reject it
+            out.append(token)
+            continue
+        out.append(int(sample_from_probs((residual / total)[None], generator)[0]))
+        return out
+    out.append(int(sample_from_probs(probs[len(draft)][None], generator)[0]))
+    return out

@@ -1,0 +1,55 @@
+"""`genserve serve --speculative-algorithm ngram` end to end: the official openai client gets
+the same greedy answer whether the request speculates or decodes plainly (asking for logprobs
+makes it decode plainly on the same server), drafts are accepted on an answer that copies its
+prompt, and the pool is whole afterwards."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.serve_process import serve_process
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+
+CODE = ("def average(values):\n    total = 0\n    for v in values:\n        total += v\n"
+        "    return total / len(values)\n")
+
+
+@pytest.fixture(scope="module")
+def url():
+    with serve_process("--speculative-algorithm", "ngram", "--max-total-tokens", "4096") as u:
+        yield u
+
+
+def test_speculation_keeps_greedy_answers_and_accepts_drafts(url):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    messages = [{"role": "user", "content": "Rename the variable `total` to `acc` in this "
+                 f"function and return the whole function:\n```python\n{CODE}```"}]
+    spec = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64,
+                                          temperature=0)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64,
+                                           temperature=0, logprobs=True)
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    assert spec.usage.completion_tokens == plain.usage.completion_tokens
+    info = httpx.get(f"{url}/get_server_info?model={MODEL}", timeout=30).json()
+    stats = info["stats"]
+    assert stats["spec_accepted_tokens"] > 0, stats
+    assert stats["decode_steps"] < stats["generated_tokens"]
+
+    streamed = client.chat.completions.create(model=MODEL, messages=messages,
+                                              max_tokens=64, temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == spec.choices[0].message.content
+    # Idle: every KV slot is free or in the prefix cache; rejected drafts' slots came back.
+    info = httpx.get(f"{url}/get_server_info?model={MODEL}", timeout=30).json()
+    assert info["available_tokens"] + info["cache"]["total_tokens"] == info["max_total_tokens"]
+
+
+def test_a_vision_model_refuses_speculation_at_start():
+    with pytest.raises(RuntimeError, match="speculative decoding is not supported"):
+        with serve_process("--model-path", "shapes-vl", "--speculative-algorithm", "ngram",
+                           start_timeout=120):
+            pass
