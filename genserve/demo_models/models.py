@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from genserve.demo_models.world import NUM_FRAMES, SIZE, VOCAB
+from genserve.word_tokenizer import word_tokenizer
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 KINDS = ("image", "video")
@@ -40,21 +41,15 @@ def weights_path(kind: str) -> Path:
     return WEIGHTS_DIR / MODEL_NAMES[kind]
 
 
+# The served folders, named by the rows of multimodal_gen/named_models.py.
+IMAGE_WEIGHTS_PATH = weights_path("image")
+VIDEO_WEIGHTS_PATH = weights_path("video")
+
+
 def build_tokenizer():
     """Word-level, lower-cased, punctuation split off; unknown words -> [UNK]; ends with </s>."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "</s>", "[UNK]"]
-    vocab = {tok: i for i, tok in enumerate(specials + VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(
-        single="$A </s>", special_tokens=[("</s>", vocab["</s>"])])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=MAX_PROMPT_TOKENS,
-                                   pad_token="<pad>",
-                                   eos_token="</s>", unk_token="[UNK]")
+    return word_tokenizer(["<pad>", "</s>", "[UNK]", *VOCAB], unk="[UNK]", template="$A </s>",
+                          model_max_length=MAX_PROMPT_TOKENS, pad_token="<pad>", eos_token="</s>")
 
 
 def build_pipeline(kind: str):
