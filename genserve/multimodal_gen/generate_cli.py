@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 from genserve.multimodal_gen.messages import (
+    STEP_CACHE_KINDS,
     TEXT_TO_IMAGE,
     TEXT_TO_VIDEO,
     DiffusionRequest,
@@ -44,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guidance-scale", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--n", type=int, default=1, help="Number of outputs.")
-    p.add_argument("--step-cache", default="none", choices=("none", "dbcache"))
+    p.add_argument("--step-cache", default="none", choices=STEP_CACHE_KINDS)
     p.add_argument("--step-cache-threshold", type=float, default=None)
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
     p.add_argument("--device", default="auto")
