@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from genserve.bench.datasets import shared_prefix_dataset
@@ -52,12 +53,15 @@ def _offline(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
             "output_throughput": tokens / duration}
 
 
-def _gateway(args: argparse.Namespace) -> GatewayThread:
+# The gateway's app around one LLM runtime. The caller (the `genserve` CLI) passes it in: the
+# gateway sits above this package, which only drives it.
+GatewayApp = Callable[[Any], Any]
+
+
+def _gateway(args: argparse.Namespace, make_app: GatewayApp) -> GatewayThread:
     """AsyncEngine + gateway + uvicorn on one event loop in a background thread."""
 
     async def build(runtimes: list[Any]) -> Any:
-        from genserve.entrypoints.app import create_app
-        from genserve.entrypoints.config import GatewayConfig
         from genserve.srt.engine import AsyncEngine
         from genserve.srt.server_args import EngineArgs
 
@@ -65,12 +69,12 @@ def _gateway(args: argparse.Namespace) -> GatewayThread:
             EngineArgs(model_path=args.model_path, dtype=args.dtype), log_level=args.log_level
         )
         runtimes.append(engine)
-        return create_app(GatewayConfig(), [engine])
+        return make_app(engine)
 
     return GatewayThread(build)
 
 
-def run_from_args(args: argparse.Namespace) -> int:
+def run_from_args(args: argparse.Namespace, make_app: GatewayApp) -> int:
     import logging
 
     logging.basicConfig(format="%(asctime)s %(levelname)s [%(name)s] %(message)s")
@@ -79,7 +83,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                                      args.question_len, args.output_len, seed=0)
     texts = [to_prompt(r).text for r in workload]
     offline = _offline(args, texts)
-    with _gateway(args) as gateway:
+    with _gateway(args, make_app) as gateway:
         cfg = BenchConfig(backend="genserve", base_url=gateway.url, model=None, api_key=None,
                           request_rate=float("inf"), max_concurrency=args.max_concurrency,
                           warmup_requests=1, ignore_eos=True, extra={}, timeout=3600.0, seed=0)

@@ -72,8 +72,8 @@ def step_cache_report(kind: str, path: str | None, scenes, steps: int, guidance:
     """Denoising time and PSNR with cache-dit DBCache vs without, one output at a time."""
     import torch
 
+    from genserve.demo_models.family import ShapesImageFamily
     from genserve.multimodal_gen.messages import StepCacheConfig
-    from genserve.multimodal_gen.pipelines.shapes import ShapesImageFamily
     from genserve.multimodal_gen.step_cache import make_step_cache
 
     pipe = load(kind, path)

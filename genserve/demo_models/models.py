@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from genserve.demo_models.world import NUM_FRAMES, SIZE, VOCAB
+from genserve.word_tokenizer import word_tokenizer
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 KINDS = ("image", "video")
@@ -21,8 +22,8 @@ TRANSFORMER_CONFIGS = {
 # Text reaches a freshly initialised DiT's tokens almost the same everywhere through attention,
 # which is enough for colours but not for a direction (the shape must be somewhere else in every
 # frame) or a shape's corners; through adaLN each word scales and shifts every block. The
-# training runs behind this choice are in docs/benchmarks.md.
-ARCHITECTURES = {"image": "sd3", "video": "sd3"}
+# training runs behind this choice (and the cross-attention-only PixArt DiT it replaced) are in
+# docs/benchmarks.md.
 TEXT_DIM = 64
 MAX_PROMPT_TOKENS = 16  # the longest grammar prompt is 11 tokens with </s>
 # What the transformer outputs (see pipeline.py): the clean picture. The video's patches (16
@@ -40,30 +41,20 @@ def weights_path(kind: str) -> Path:
     return WEIGHTS_DIR / MODEL_NAMES[kind]
 
 
+# The served folders, named by the rows of multimodal_gen/named_models.py.
+IMAGE_WEIGHTS_PATH = weights_path("image")
+VIDEO_WEIGHTS_PATH = weights_path("video")
+
+
 def build_tokenizer():
     """Word-level, lower-cased, punctuation split off; unknown words -> [UNK]; ends with </s>."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "</s>", "[UNK]"]
-    vocab = {tok: i for i, tok in enumerate(specials + VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(
-        single="$A </s>", special_tokens=[("</s>", vocab["</s>"])])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=MAX_PROMPT_TOKENS,
-                                   pad_token="<pad>",
-                                   eos_token="</s>", unk_token="[UNK]")
+    return word_tokenizer(["<pad>", "</s>", "[UNK]", *VOCAB], unk="[UNK]", template="$A </s>",
+                          model_max_length=MAX_PROMPT_TOKENS, pad_token="<pad>", eos_token="</s>")
 
 
 def build_pipeline(kind: str):
     """A fresh (untrained) demo pipeline of `kind` ("image" or "video")."""
-    from diffusers import (
-        FlowMatchEulerDiscreteScheduler,
-        PixArtTransformer2DModel,
-        SD3Transformer2DModel,
-    )
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import T5Config, T5EncoderModel
 
     from genserve.demo_models.pipeline import ShapesImagePipeline, ShapesVideoPipeline
@@ -78,17 +69,11 @@ def build_pipeline(kind: str):
     channels = 3 * (NUM_FRAMES if kind == "video" else 1)
     cfg = TRANSFORMER_CONFIGS[kind]
     width = cfg["num_attention_heads"] * cfg["attention_head_dim"]
-    if ARCHITECTURES[kind] == "sd3":
-        transformer = SD3Transformer2DModel(
-            in_channels=channels, out_channels=channels, sample_size=SIZE,
-            joint_attention_dim=TEXT_DIM, caption_projection_dim=width,
-            pooled_projection_dim=TEXT_DIM * MAX_PROMPT_TOKENS,
-            pos_embed_max_size=SIZE // cfg["patch_size"], **cfg)
-    else:
-        transformer = PixArtTransformer2DModel(
-            in_channels=channels, out_channels=channels, sample_size=SIZE,
-            cross_attention_dim=width, caption_channels=TEXT_DIM, norm_num_groups=1,
-            use_additional_conditions=False, interpolation_scale=1, **cfg)
+    transformer = SD3Transformer2DModel(
+        in_channels=channels, out_channels=channels, sample_size=SIZE,
+        joint_attention_dim=TEXT_DIM, caption_projection_dim=width,
+        pooled_projection_dim=TEXT_DIM * MAX_PROMPT_TOKENS,
+        pos_embed_max_size=SIZE // cfg["patch_size"], **cfg)
     cls = ShapesVideoPipeline if kind == "video" else ShapesImagePipeline
     return cls(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
                scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),

@@ -4,8 +4,7 @@ Components, all stock diffusers / transformers classes so `save_pretrained` / `f
 work as for any diffusers folder:
 - `tokenizer`: a word-level `PreTrainedTokenizerFast` over the grammar's words (`world.VOCAB`);
 - `text_encoder`: a tiny `T5EncoderModel`;
-- `transformer`: an `SD3Transformer2DModel` (both shipped models; a
-  `PixArtTransformer2DModel` also works, see `models.ARCHITECTURES`) working directly on pixels
+- `transformer`: an `SD3Transformer2DModel` (MMDiT; why: `models.py`) working directly on pixels
   (no VAE). A video's frames are stacked on the channel axis (`in_channels = 3 * num_frames`),
   so one token sees a patch of every frame and motion is learned like any other pattern;
 - `scheduler`: `FlowMatchEulerDiscreteScheduler`.
@@ -28,7 +27,6 @@ import torch
 from diffusers import (
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
-    PixArtTransformer2DModel,
     SD3Transformer2DModel,
 )
 from diffusers.utils import BaseOutput
@@ -52,7 +50,7 @@ class ShapesPipeline(DiffusionPipeline):
     _callback_tensor_inputs = ["latents"]
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast, text_encoder: T5EncoderModel,
-                 transformer: PixArtTransformer2DModel | SD3Transformer2DModel,
+                 transformer: SD3Transformer2DModel,
                  scheduler: FlowMatchEulerDiscreteScheduler, prediction: str = "velocity"):
         super().__init__()
         if prediction not in PREDICTIONS:
@@ -97,14 +95,11 @@ class ShapesPipeline(DiffusionPipeline):
     def raw_output(self, x: torch.Tensor, sigma: torch.Tensor, emb: torch.Tensor,
                    mask: torch.Tensor) -> torch.Tensor:
         """What the transformer predicts (see `prediction`) at noise level `sigma` [B]."""
-        if isinstance(self.transformer, SD3Transformer2DModel):
-            # MMDiT: the prompt's tokens join the attention, and the whole prompt embedding,
-            # flattened (padding zeroed), drives adaLN next to the noise level, so each word of
-            # the grammar gets its own weights there.
-            pooled = (emb * mask.unsqueeze(-1).to(emb.dtype)).flatten(1)
-            return self.transformer(x, encoder_hidden_states=emb, pooled_projections=pooled,
-                                    timestep=sigma * 1000.0, return_dict=False)[0]
-        return self.transformer(x, encoder_hidden_states=emb, encoder_attention_mask=mask,
+        # MMDiT: the prompt's tokens join the attention, and the whole prompt embedding,
+        # flattened (padding zeroed), drives adaLN next to the noise level, so each word of
+        # the grammar gets its own weights there.
+        pooled = (emb * mask.unsqueeze(-1).to(emb.dtype)).flatten(1)
+        return self.transformer(x, encoder_hidden_states=emb, pooled_projections=pooled,
                                 timestep=sigma * 1000.0, return_dict=False)[0]
 
     def predict(self, x: torch.Tensor, sigma: torch.Tensor, emb: torch.Tensor,

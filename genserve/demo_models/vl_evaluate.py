@@ -15,7 +15,6 @@ of the description match it.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 from pathlib import Path
 
@@ -23,19 +22,15 @@ import numpy as np
 
 from genserve.demo_models import vl_data, world
 from genserve.demo_models.vl_model import WEIGHTS_PATH
+from genserve.multimodal_gen.encoding import encode_image
 
 ATTRIBUTES = ("colour", "shape", "background", "position")
 GREEDY = {"max_new_tokens": 24, "temperature": 0}
 
 
 def png(image) -> bytes:
-    from PIL import Image
-
-    if isinstance(image, np.ndarray):
-        image = Image.fromarray(image)
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
+    """A PNG file of a picture (uint8 array or PIL image)."""
+    return encode_image(np.asarray(image), "png")
 
 
 def held_out_pictures(
@@ -48,7 +43,7 @@ def held_out_pictures(
 
 
 def load_engine(path: str | Path = WEIGHTS_PATH):
-    from genserve import Engine
+    from genserve.srt.engine import Engine
 
     return Engine(str(path), dtype="float32", max_total_tokens=8192)
 

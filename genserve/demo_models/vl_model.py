@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from genserve.demo_models.world import VOCAB
+from genserve.word_tokenizer import word_tokenizer
 
 MODEL_NAME = "shapes-vl"
 WEIGHTS_PATH = Path(__file__).parent / "weights" / MODEL_NAME
@@ -80,17 +81,10 @@ def vocabulary() -> list[str]:
 
 def build_tokenizer():
     """Word-level, lower-cased, byte-level pieces (exact decoding); unknown words -> <unk>."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(vocabulary())}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
+    fast = word_tokenizer(
+        vocabulary(),
+        unk="<unk>",
+        split="bytelevel",
         pad_token="<pad>",
         eos_token=EOS_TOKEN,
         additional_special_tokens=SPECIALS[2:],

@@ -1,7 +1,8 @@
-"""`genserve` console script: `serve`, `generate`, `bench serving`.
+"""`genserve` console script: `serve`, `generate`, `models`, `bench serving`.
 
-Argument parsing only; the work is in `serve.py`, `offline.py` and `genserve.bench`. Nothing
-here imports torch: each command imports its runtime when it runs.
+Argument parsing only; the work is in `serve.py`, `offline.py`, `model_catalog.py` and
+`genserve.bench`. Choices come from the settings they configure (server args, gateway config,
+diffusion options). Nothing here imports torch: each command imports its runtime when it runs.
 """
 
 from __future__ import annotations
@@ -12,14 +13,18 @@ from collections.abc import Sequence
 
 from genserve import __version__
 from genserve.entrypoints import data_parallel
+from genserve.entrypoints.config import REASONING_PARSERS, TOOL_CALL_PARSERS
+from genserve.multimodal_gen import messages as diffusion_options
 from genserve.srt import server_args as llm_args
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _add_llm_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LLM runtime")
     g.add_argument("--model-path", action="append", default=None, metavar="PATH",
-                   help="HF folder or .gguf file of an LLM (repeatable). Default: the embedded "
-                        "SmolLM2-135M-Instruct and the vision-language demo model shapes-vl.")
+                   help="HF folder, .gguf file, hub id or model name of an LLM (repeatable). "
+                        "Default: the default LLMs `genserve models` lists.")
     g.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                    help="Extra name under which the first LLM is served (repeatable).")
     g.add_argument("--dtype", default=None, choices=llm_args.DTYPES,
@@ -31,9 +36,9 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
                         "checkpoints as they are.")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the batch-1 decode step (needs a C++ compiler on CPU): "
-                        "one chat streams faster (docs/benchmarks.md), compiling adds minutes "
-                        "to start-up. Default: on for int8wo/int4wo weights on a CPU with g++ or "
-                        "clang++ and one rank, else off; --no-compile skips it.")
+                        "one chat streams faster, compiling adds minutes to start-up "
+                        "(docs/benchmarks.md). Default: on for int8wo/int4wo weights on a CPU "
+                        "with g++ or clang++ and one rank, else off; --no-compile skips it.")
     g.add_argument("--attention-backend", default=None, choices=llm_args.ATTENTION_BACKENDS)
     g.add_argument("--schedule-policy", default="fcfs", choices=llm_args.SCHEDULE_POLICIES)
     g.add_argument("--max-running-requests", type=int, default=64)
@@ -51,7 +56,7 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", "--tp-size", dest="tp_size", type=int, default=None, metavar="N",
                    help="Tensor parallelism: split every layer's heads and columns over N "
                         "processes (one GPU each on CUDA, gloo on CPU). Text models of the "
-                        "Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2).")
+                        "Llama family (Llama, Mistral, Qwen2, Qwen3).")
     g.add_argument("--disable-radix-cache", action="store_true")
     g.add_argument("--grammar-backend", default=None, choices=llm_args.GRAMMAR_BACKENDS,
                    help="Constrained decoding (json_schema / regex / ebnf, response_format, "
@@ -79,21 +84,22 @@ def _add_diffusion_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("diffusion runtime")
     g.add_argument("--diffusion-model-path", action="append", default=None, metavar="PATH",
                    help="diffusers folder, hub id or model name (repeatable). Default: the "
-                        "trained demo models shapes-image and shapes-video.")
-    g.add_argument("--step-cache", default="none", choices=("none", "dbcache"))
+                        "default diffusion models `genserve models` lists.")
+    g.add_argument("--step-cache", default="none", choices=diffusion_options.STEP_CACHE_KINDS)
     g.add_argument("--step-cache-threshold", type=float, default=None)
     g.add_argument("--diffusion-max-batch-size", type=int, default=4)
     g.add_argument("--diffusion-batch-delay-ms", type=float, default=10.0)
     g.add_argument("--diffusion-cpu-offload", action="store_true",
                    help="The same as --diffusion-offload model.")
-    g.add_argument("--diffusion-offload", default="none", choices=("none", "model", "sequential"),
+    g.add_argument("--diffusion-offload", default="none", choices=diffusion_options.OFFLOAD_MODES,
                    help="Keep weights in host memory and move them to the GPU per component "
                         "(model) or per layer (sequential).")
     g.add_argument("--diffusion-vae-tiling", action="store_true",
                    help="Decode large pictures in tiles (bounded VAE memory).")
     g.add_argument("--diffusion-vae-slicing", action="store_true",
                    help="Decode a batch one picture at a time.")
-    g.add_argument("--diffusion-quantization", default="none", choices=("none", "int8wo"),
+    g.add_argument("--diffusion-quantization", default="none",
+                   choices=diffusion_options.DIFFUSION_QUANTIZATIONS,
                    help="Weight-only int8 quantization of the denoiser (torchao).")
     g.add_argument("--lora", action="append", default=None, metavar="[MODEL:]NAME=PATH",
                    help="Load a LoRA adapter at start under NAME (repeatable); requests pick "
@@ -130,10 +136,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="Largest image file a vision request may send or fetch.")
     p.add_argument("--max-realtime-sessions", type=int, default=4,
                    help="Concurrent realtime video WebSocket sessions.")
-    p.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3", "mistral"),
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="Format of the model's tool calls (default: detected from the chat "
                         "template; hermes when the template does not render tools).")
-    p.add_argument("--reasoning-parser", default=None, choices=("deepseek-r1", "qwen3"),
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="Split <think>...</think> out of chat answers into reasoning_content.")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="On SIGTERM / SIGINT: stop accepting connections, let in-flight "
@@ -141,8 +147,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-llm", action="store_true", help="Do not start an LLM runtime.")
     p.add_argument("--no-diffusion", action="store_true",
                    help="Do not start the diffusion runtime.")
-    p.add_argument("--log-level", default=None,
-                   choices=("debug", "info", "warning", "error", "critical"))
+    p.add_argument("--log-level", default=None, choices=LOG_LEVELS)
     _add_llm_args(p)
     _add_diffusion_args(p)
     data_parallel.add_arguments(p)
@@ -159,10 +164,10 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--model", default=None,
-                   help="Diffusion model: demo model (shapes-image, shapes-video), embedded name "
-                        "(tiny-flux, tiny-wan), diffusers folder or hub id (implies a "
-                        "diffusion request).")
-    p.add_argument("--task", default=None, choices=("text-to-image", "text-to-video"),
+                   help="Diffusion model: a name `genserve models` lists, a diffusers folder or "
+                        "a hub id (implies a diffusion request).")
+    p.add_argument("--task", default=None,
+                   choices=(diffusion_options.TEXT_TO_IMAGE, diffusion_options.TEXT_TO_VIDEO),
                    help="Diffusion task (implies a diffusion model).")
     p.add_argument("--n", type=int, default=1, help="Diffusion: number of outputs.")
     p.add_argument("--output", default=None, help="Image / video output file.")
@@ -174,10 +179,24 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-inference-steps", type=int, default=None)
     p.add_argument("--guidance-scale", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--log-level", default=None,
-                   choices=("debug", "info", "warning", "error", "critical"))
+    p.add_argument("--log-level", default=None, choices=LOG_LEVELS)
     _add_llm_args(p)
     _add_diffusion_args(p)
+
+
+def _models_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="List the servable model names, or materialize one.",
+                       description="Without a subcommand: every name `serve` and `generate` "
+                                   "accept, with its runtime, task and source, and whether it "
+                                   "is served by default.")
+    models_sub = p.add_subparsers(dest="models_command")
+    models_sub.add_parser("list", help="List the servable names (the default).")
+    path = models_sub.add_parser(
+        "path", help="Print the folder of a named model, materializing an embedded one.",
+        description="Prints a folder that stock transformers / diffusers load with "
+                    "from_pretrained: an embedded diffusion model is built and saved under "
+                    "$GENSERVE_CACHE_DIR/models (once), the embedded GGUF converted.")
+    path.add_argument("name", metavar="NAME")
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -198,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _generate_parser(sub)
+    _models_parser(sub)
     _bench_parser(sub)
     return parser
 
@@ -217,10 +237,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             from genserve.entrypoints.offline import run_generate
 
             return run_generate(args)
+        if args.command == "models":
+            from genserve.entrypoints.model_catalog import run_models
+
+            return run_models(args)
         if args.bench_command == "http-vs-offline":
             from genserve.bench.http_vs_offline import run_from_args as run_comparison
+            from genserve.entrypoints.app import create_app
+            from genserve.entrypoints.config import GatewayConfig
 
-            return run_comparison(args)
+            return run_comparison(args, lambda engine: create_app(GatewayConfig(), [engine]))
         from genserve.bench.serving import run_from_args
 
         return run_from_args(args)

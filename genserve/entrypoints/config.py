@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+TOOL_CALL_PARSERS = ("hermes", "llama3", "mistral")  # `--tool-call-parser`
+REASONING_PARSERS = ("deepseek-r1", "qwen3")  # `--reasoning-parser`
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -43,11 +46,11 @@ class GatewayConfig:
             )
         if not isinstance(self.cors_origins, tuple):
             raise ValueError("cors_origins must be a tuple of origins")
-        if self.tool_call_parser not in (None, "hermes", "llama3", "mistral"):
-            raise ValueError(f"tool_call_parser must be hermes, llama3 or mistral, "
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, "
                              f"got {self.tool_call_parser!r}")
-        if self.reasoning_parser not in (None, "deepseek-r1", "qwen3"):
-            raise ValueError(f"reasoning_parser must be deepseek-r1 or qwen3, "
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, "
                              f"got {self.reasoning_parser!r}")
         if not isinstance(self.served_model_names, tuple):
             raise ValueError("served_model_names must be a tuple of names")

@@ -95,26 +95,31 @@ def import_async_engine() -> Any:
 
 
 def default_llm_paths(tp_size: int = 1) -> list[str | None]:
-    """The LLMs served when none is named: the embedded SmolLM2 (None) and the trained
-    vision-language demo model `shapes-vl` (a folder shipped in the package, found by name),
-    which tensor parallelism does not split: with --tp > 1 only SmolLM2."""
-    return [None, "shapes-vl"] if tp_size == 1 else [None]
+    """The LLMs served when none is named: the default rows of the LLM named-model table (None
+    is the embedded default); with --tp > 1 only those tensor parallelism splits."""
+    from genserve.srt.named_models import default_model_paths
+
+    return default_model_paths(tp_size)
 
 
 def llm_engine_args(args: argparse.Namespace, path: str | None) -> Any:
-    """`engine_args_from`, except that the vision-language demo model served beside the
-    embedded SmolLM2 by default keeps its own weights under an explicit --quantization
-    int8wo / int4wo and decodes plainly under --speculative-algorithm (both serve text models)
-    instead of failing the whole server."""
+    """`engine_args_from`, except that a default model whose row is not quantizable (a
+    vision-language model served beside the text one) keeps its own weights under an explicit
+    --quantization int8wo / int4wo, and a default vision-language model decodes plainly under
+    --speculative-algorithm (both serve text models), instead of failing the whole server."""
+    from genserve.srt.named_models import row_for_path
+
     engine_args = engine_args_from(args, path)
-    if not args.model_path and path == "shapes-vl" and engine_args.quantization in (
-            "int8wo", "int4wo"):
-        logger.info("shapes-vl (the vision-language demo model) runs unquantized: "
-                    "--quantization %s applies to text models", engine_args.quantization)
+    row = row_for_path(path)
+    if (not args.model_path and row is not None and not row.quantizable
+            and engine_args.quantization in ("int8wo", "int4wo")):
+        logger.info("%s (%s) runs unquantized: --quantization %s applies to text models",
+                    row.name, row.summary, engine_args.quantization)
         engine_args = dataclasses.replace(engine_args, quantization="none")
-    if not args.model_path and path == "shapes-vl" and engine_args.speculative_algorithm:
-        logger.info("shapes-vl (the vision-language demo model) decodes without speculation: "
-                    "--speculative-algorithm applies to text models")
+    if (not args.model_path and row is not None and row.task == "vision chat"
+            and engine_args.speculative_algorithm):
+        logger.info("%s (%s) decodes without speculation: --speculative-algorithm applies to "
+                    "text models", row.name, row.summary)
         engine_args = dataclasses.replace(engine_args, speculative_algorithm=None)
     return engine_args
 
@@ -123,10 +128,12 @@ async def _start_llms(args: argparse.Namespace, clients: list[LLMEngineClient]) 
     """Start every LLM runtime, appending each to `clients` as soon as it runs: when a later
     one fails to start, the caller still shuts down those already started (their processes
     otherwise kept the failed server from exiting)."""
+    from genserve.srt.named_models import row_for_path
+
     AsyncEngine = import_async_engine()  # noqa: N806 (a class)
     for path in args.model_path or default_llm_paths(getattr(args, "tp_size", None) or 1):
         engine_args = llm_engine_args(args, path)
-        logger.info("loading LLM %s", path or "(embedded SmolLM2-135M-Instruct)")
+        logger.info("loading LLM %s", path or f"(embedded {row_for_path(None).name})")
         engine = AsyncEngine(engine_args)
         clients.append(engine)
         info = await engine.server_info()

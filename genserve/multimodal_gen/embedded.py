@@ -12,11 +12,10 @@ import threading
 
 import torch
 
-# tiny-flux and tiny-wan are served by default; the others exist to exercise their families.
-EMBEDDED_NAMES = ("tiny-flux", "tiny-wan", "tiny-sd3", "tiny-sd", "tiny-ltx", "tiny-sdxl",
-                  "tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v", "tiny-qwen-image",
-                  "tiny-qwen-image-edit", "tiny-helios", "tiny-helios-pyramid",
-                  "tiny-helios-distilled")
+from genserve.multimodal_gen.named_models import DIFFUSION_MODELS
+from genserve.named_models import locate
+from genserve.word_tokenizer import word_tokenizer
+
 _VOCAB_WORDS = (
     "a an the of and with in on at to red green blue yellow white black orange purple cat dog "
     "bird car tree house sky sea sun moon city forest mountain river flower portrait photo "
@@ -27,29 +26,15 @@ _cache: dict[str, object] = {}
 _lock = threading.Lock()
 
 
-def _word_tokenizer(model_max_length: int, *, eos: str, pad: str, bos: str | None = None):
-    """A fast word-level tokenizer built in memory (lower-cased, unknown words -> [UNK])."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    specials = [pad, eos, "[UNK]"] + ([bos] if bos else [])
-    vocab = {tok: i for i, tok in enumerate(specials + list(_VOCAB_WORDS))}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    # The encoders pool / attend up to the end-of-text token, as CLIP and T5 do.
-    single = (f"{bos} " if bos else "") + f"$A {eos}"
-    special_ids = [(eos, vocab[eos])] + ([(bos, vocab[bos])] if bos else [])
-    tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=special_ids)
-    kwargs = {"bos_token": bos} if bos else {}
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        model_max_length=model_max_length,
-        pad_token=pad,
-        eos_token=eos,
-        unk_token="[UNK]",
-        **kwargs,
-    )
+def text_tokenizer(bos: bool = True):
+    """The embedded pipelines' tokenizer: words of `_VOCAB_WORDS`, lower-cased, unknown words ->
+    [UNK]; ends every prompt with </s> (and starts it with <s> when `bos`): the encoders pool /
+    attend up to the end-of-text token, as CLIP and T5 do."""
+    specials = ["<pad>", "</s>", "[UNK]"] + (["<s>"] if bos else [])
+    extra = {"bos_token": "<s>"} if bos else {}
+    return word_tokenizer(specials + list(_VOCAB_WORDS), unk="[UNK]",
+                          template=("<s> " if bos else "") + "$A </s>", model_max_length=16,
+                          pad_token="<pad>", eos_token="</s>", **extra)
 
 
 def _vocab_size() -> int:
@@ -130,9 +115,9 @@ def _tiny_flux_parts(in_channels: int = 16, out_channels: int | None = None) -> 
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,
         text_encoder=_tiny_clip_encoder(32),
-        tokenizer=_word_tokenizer(16, eos="</s>", pad="<pad>", bos="<s>"),
+        tokenizer=text_tokenizer(),
         text_encoder_2=_tiny_t5_encoder(32),
-        tokenizer_2=_word_tokenizer(16, eos="</s>", pad="<pad>"),
+        tokenizer_2=text_tokenizer(bos=False),
         transformer=transformer,
     )
 
@@ -186,7 +171,7 @@ def _tiny_wan_parts(in_channels: int = 4) -> dict:
         latents_std=[1.0] * 4,
     )
     return dict(
-        tokenizer=_word_tokenizer(16, eos="</s>", pad="<pad>"),
+        tokenizer=text_tokenizer(bos=False),
         text_encoder=_tiny_t5_encoder(32, umt5=True),
         vae=vae,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
@@ -266,7 +251,7 @@ def _tiny_helios_parts() -> dict:
         latents_mean=[0.0] * 4,
         latents_std=[1.0] * 4,
     )
-    return dict(tokenizer=_word_tokenizer(16, eos="</s>", pad="<pad>"),
+    return dict(tokenizer=text_tokenizer(bos=False),
                 text_encoder=_tiny_t5_encoder(32, umt5=True), vae=vae, transformer=transformer)
 
 
@@ -298,11 +283,11 @@ def build_tiny_sd3():
         vae=_tiny_image_vae(use_quant_conv=False, use_post_quant_conv=False,
                             shift_factor=0.0609, scaling_factor=1.5035),
         text_encoder=_tiny_clip_encoder(32, with_projection=True),
-        tokenizer=_word_tokenizer(16, eos="</s>", pad="<pad>", bos="<s>"),
+        tokenizer=text_tokenizer(),
         text_encoder_2=_tiny_clip_encoder(32, with_projection=True),
-        tokenizer_2=_word_tokenizer(16, eos="</s>", pad="<pad>", bos="<s>"),
+        tokenizer_2=text_tokenizer(),
         text_encoder_3=_tiny_t5_encoder(32),
-        tokenizer_3=_word_tokenizer(16, eos="</s>", pad="<pad>"),
+        tokenizer_3=text_tokenizer(bos=False),
         transformer=transformer,
     )
 
@@ -318,7 +303,7 @@ def build_tiny_sd():
     )
     return StableDiffusionPipeline(
         vae=_tiny_image_vae(), text_encoder=_tiny_clip_encoder(32),
-        tokenizer=_word_tokenizer(16, eos="</s>", pad="<pad>", bos="<s>"), unet=unet,
+        tokenizer=text_tokenizer(), unet=unet,
         scheduler=DDIMScheduler(steps_offset=1, clip_sample=False), safety_checker=None,
         feature_extractor=None, requires_safety_checker=False,
     )
@@ -341,8 +326,8 @@ def build_tiny_sdxl():
     return StableDiffusionXLPipeline(
         vae=_tiny_image_vae(scaling_factor=0.13025), text_encoder=_tiny_clip_encoder(32),
         text_encoder_2=_tiny_clip_encoder(32, with_projection=True),
-        tokenizer=_word_tokenizer(16, eos="</s>", pad="<pad>", bos="<s>"),
-        tokenizer_2=_word_tokenizer(16, eos="</s>", pad="<pad>", bos="<s>"), unet=unet,
+        tokenizer=text_tokenizer(),
+        tokenizer_2=text_tokenizer(), unet=unet,
         scheduler=EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012,
                                          beta_schedule="scaled_linear",
                                          timestep_spacing="leading", steps_offset=1),
@@ -375,54 +360,27 @@ def build_tiny_ltx():
     )
     return LTXPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae,
-        text_encoder=_tiny_t5_encoder(32), tokenizer=_word_tokenizer(16, eos="</s>", pad="<pad>"),
+        text_encoder=_tiny_t5_encoder(32), tokenizer=text_tokenizer(bos=False),
         transformer=transformer,
     )
 
 
-def build_tiny_qwen_image():
-    from genserve.multimodal_gen.embedded_qwen import build_tiny_qwen_image as build
-
-    return build()
-
-
-def build_tiny_qwen_image_edit():
-    from genserve.multimodal_gen.embedded_qwen import build_tiny_qwen_image_edit as build
-
-    return build()
-
-
-_BUILDERS = {
-    "tiny-flux": build_tiny_flux,
-    "tiny-wan": build_tiny_wan,
-    "tiny-sd3": build_tiny_sd3,
-    "tiny-sd": build_tiny_sd,
-    "tiny-ltx": build_tiny_ltx,
-    "tiny-sdxl": build_tiny_sdxl,
-    "tiny-flux-kontext": build_tiny_flux_kontext,
-    "tiny-flux-fill": build_tiny_flux_fill,
-    "tiny-wan-i2v": build_tiny_wan_i2v,
-    "tiny-qwen-image": build_tiny_qwen_image,
-    "tiny-qwen-image-edit": build_tiny_qwen_image_edit,
-    "tiny-helios": build_tiny_helios,
-    "tiny-helios-pyramid": build_tiny_helios_pyramid,
-    "tiny-helios-distilled": build_tiny_helios_distilled,
-}
-
-
 def build_embedded(name: str, seed: int = 0, shared: bool = True):
-    """The embedded pipeline `name` with weights from torch seed `seed`, float32 on CPU. Shared:
-    built once per process (later calls return the same instance); not shared: a new instance,
-    for a model whose weights will be changed (LoRA adapters, quantization)."""
-    if name not in _BUILDERS:
-        raise KeyError(f"unknown embedded diffusion model {name!r}; have {list(_BUILDERS)}")
+    """The embedded pipeline `name` (a builder row of `named_models`) with weights from torch
+    seed `seed`, float32 on CPU. Shared: built once per process (later calls return the same
+    instance); not shared: a new instance, for a model whose weights will be changed (LoRA
+    adapters, quantization)."""
+    row = DIFFUSION_MODELS.get(name)
+    if row is None or row.kind != "builder":
+        have = [r.name for r in DIFFUSION_MODELS.rows if r.kind == "builder"]
+        raise KeyError(f"unknown embedded diffusion model {name!r}; have {have}")
     with _lock:
         if shared and name in _cache:
             return _cache[name]
         # A private generator stream, so building does not disturb the caller's RNG state.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            pipe = _BUILDERS[name]()
+            pipe = locate(row.source)()
         pipe.set_progress_bar_config(disable=True)
         if shared:
             _cache[name] = pipe

@@ -17,27 +17,19 @@ images, so it is built from the PIL image processor and no video processor.
 from __future__ import annotations
 
 from genserve.multimodal_gen.embedded import _VOCAB_WORDS
+from genserve.word_tokenizer import word_tokenizer
 
 _MARKERS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
             "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 _HIDDEN = 32
 
 
-def _qwen_tokenizer():
-    from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = [*_MARKERS, "[UNK]", "\n", *_VOCAB_WORDS]
-    vocab = {tok: i for i, tok in enumerate(words)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.normalizer = normalizers.Lowercase()
-    # Keep each newline, word and punctuation mark; drop spaces.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n|\w+|[^\w\s]"), behavior="removed",
-                                             invert=True)
-    tok.add_special_tokens([AddedToken(m, normalized=False, special=True) for m in _MARKERS])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=1024,
-                                   pad_token="<|endoftext|>", eos_token="<|im_end|>",
-                                   unk_token="[UNK]")
+def qwen_tokenizer():
+    """Words of the embedded vocabulary plus Qwen's chat markers (one token each); every
+    newline, word and punctuation mark is one token, spaces are dropped."""
+    return word_tokenizer([*_MARKERS, "[UNK]", "\n", *_VOCAB_WORDS], unk="[UNK]",
+                          split="words-and-marks", markers=_MARKERS, model_max_length=1024,
+                          pad_token="<|endoftext|>", eos_token="<|im_end|>")
 
 
 def _vocab_size() -> int:
@@ -89,7 +81,7 @@ def _parts() -> dict:
     )
     return dict(
         transformer=transformer, vae=vae, text_encoder=_text_encoder(),
-        tokenizer=_qwen_tokenizer(),
+        tokenizer=qwen_tokenizer(),
         scheduler=FlowMatchEulerDiscreteScheduler(
             base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9,
             shift_terminal=0.02, use_dynamic_shifting=True, time_shift_type="exponential"),

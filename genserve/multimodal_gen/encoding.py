@@ -7,7 +7,7 @@ browser can start playing before the whole file arrives).
 PNGs are written here rather than by Pillow, which filters every row adaptively and then deflates
 with zlib, on the gateway's CPU for every image served. `encode_png` picks one filter per image
 from a sample of its rows and deflates with ISA-L (the `isal` package, part of
-genserve[diffusion]), several times faster than zlib's fastest settings. Textured pictures come
+genserve[diffusion]), which is faster than zlib's fastest settings. Textured pictures come
 out a little smaller than Pillow's, noise the same size, and flat gradients (a few KB either way)
 larger. Without ISA-L it falls back to zlib, choosing the strategy on the sample. Timings and
 sizes: docs/benchmarks.md.
@@ -33,8 +33,11 @@ IMAGE_FORMATS = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 MP4_MEDIA_TYPE = "video/mp4"
 
 
-def encode_image(frame: np.ndarray, fmt: str = "png", quality: int = 90) -> bytes:
-    """uint8 [H, W, 3] -> encoded bytes. PNG is lossless (same pixels -> same bytes)."""
+def encode_image(frame: np.ndarray, fmt: str = "png", quality: int = 90, *,
+                 webp_method: int = 4) -> bytes:
+    """uint8 [H, W, 3] -> encoded bytes. PNG is lossless (same pixels -> same bytes).
+    `webp_method`: Pillow's WebP effort, 0 (fastest: realtime previews) to 6; 4 is its default.
+    The one image encoder of genserve: the HTTP APIs, `generate` and the realtime frames."""
     from PIL import Image
 
     if fmt not in IMAGE_FORMATS:
@@ -48,7 +51,7 @@ def encode_image(frame: np.ndarray, fmt: str = "png", quality: int = 90) -> byte
     if fmt == "jpeg":
         image.save(buf, format="JPEG", quality=quality)
     else:
-        image.save(buf, format="WEBP", quality=quality)
+        image.save(buf, format="WEBP", quality=quality, method=webp_method)
     return buf.getvalue()
 
 

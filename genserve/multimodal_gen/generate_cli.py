@@ -16,11 +16,14 @@ import uuid
 from pathlib import Path
 
 from genserve.multimodal_gen.messages import (
+    STEP_CACHE_KINDS,
+    TEXT_TO_IMAGE,
     TEXT_TO_VIDEO,
     DiffusionRequest,
     StepCacheConfig,
     StepDecision,
 )
+from genserve.multimodal_gen.named_models import default_model_for
 from genserve.multimodal_gen.validation import resolve_request
 
 _IMAGE_EXT = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
@@ -29,8 +32,8 @@ _IMAGE_EXT = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags `run` reads (the gateway CLI may already define most of them)."""
     p.add_argument("--model", default=None,
-                   help="Demo model (shapes-image, shapes-video; the default for .png / .mp4), "
-                   "embedded name (tiny-flux, tiny-wan), diffusers folder or hub id.")
+                   help="A name `genserve models` lists (default: the default model of the "
+                   "output's kind, image or video), a diffusers folder or a hub id.")
     p.add_argument("--prompt", required=True)
     p.add_argument("--output", required=True, help="out.png / .jpg / .webp, or out.mp4")
     p.add_argument("--negative-prompt", default=None)
@@ -42,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guidance-scale", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--n", type=int, default=1, help="Number of outputs.")
-    p.add_argument("--step-cache", default="none", choices=("none", "dbcache"))
+    p.add_argument("--step-cache", default="none", choices=STEP_CACHE_KINDS)
     p.add_argument("--step-cache-threshold", type=float, default=None)
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
     p.add_argument("--device", default="auto")
@@ -50,9 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _is_diffusion_model(path: str) -> bool:
-    from genserve.multimodal_gen.launch import EMBEDDED_MODELS
+    from genserve.multimodal_gen.named_models import DIFFUSION_MODELS
 
-    return path in EMBEDDED_MODELS or (Path(path) / "model_index.json").is_file()
+    return path in DIFFUSION_MODELS or (Path(path) / "model_index.json").is_file()
 
 
 def _model_name(args: argparse.Namespace, output: Path) -> str:
@@ -68,7 +71,7 @@ def _model_name(args: argparse.Namespace, output: Path) -> str:
     if llm_paths:
         return llm_paths[0]
     video = getattr(args, "task", None) == TEXT_TO_VIDEO or output.suffix.lower() == ".mp4"
-    return "shapes-video" if video else "shapes-image"
+    return default_model_for(TEXT_TO_VIDEO if video else TEXT_TO_IMAGE)
 
 
 def run(args: argparse.Namespace) -> int:

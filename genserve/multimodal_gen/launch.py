@@ -8,17 +8,8 @@ from typing import Any
 
 from genserve import envs
 from genserve.multimodal_gen.client import DiffusionEngineClient
-from genserve.multimodal_gen.messages import StepCacheConfig
-
-# Served when no --diffusion-model-path is given: the trained demo models (weights shipped in the
-# package, see genserve.demo_models), which draw what a prompt of their grammar says.
-DEFAULT_MODELS = ("shapes-image", "shapes-video")
-# Every model known by name: the demo models and the embedded random-weight pipelines (mirrors
-# embedded.EMBEDDED_NAMES, which imports torch).
-EMBEDDED_MODELS = ("shapes-image", "shapes-video", "tiny-flux", "tiny-wan", "tiny-sd3",
-                   "tiny-sd", "tiny-ltx", "tiny-sdxl", "tiny-flux-kontext", "tiny-flux-fill",
-                   "tiny-wan-i2v", "tiny-qwen-image", "tiny-qwen-image-edit", "tiny-helios",
-                   "tiny-helios-pyramid", "tiny-helios-distilled")
+from genserve.multimodal_gen.messages import STEP_CACHE_KINDS, StepCacheConfig
+from genserve.multimodal_gen.named_models import default_model_names
 
 
 def parse_lora_arg(value: str) -> tuple[str, str, str]:
@@ -34,7 +25,7 @@ def worker_config_from_args(model_paths: list[str] | None, args: Any):
     from genserve.multimodal_gen.worker import WorkerConfig
 
     return WorkerConfig(
-        model_paths=tuple(model_paths) if model_paths else DEFAULT_MODELS,
+        model_paths=tuple(model_paths) if model_paths else default_model_names(),
         dtype=getattr(args, "dtype", None) or "auto",
         device=getattr(args, "device", None) or "auto",
         cpu_offload=bool(getattr(args, "diffusion_cpu_offload", False)),
@@ -52,8 +43,8 @@ def worker_config_from_args(model_paths: list[str] | None, args: Any):
 
 def default_step_cache_from_args(args: Any) -> StepCacheConfig:
     kind = getattr(args, "step_cache", None) or "none"
-    if kind not in ("none", "dbcache"):
-        raise ValueError(f"--step-cache must be none or dbcache, got {kind!r}")
+    if kind not in STEP_CACHE_KINDS:
+        raise ValueError(f"--step-cache must be one of {STEP_CACHE_KINDS}, got {kind!r}")
     threshold = getattr(args, "step_cache_threshold", None)
     return StepCacheConfig(
         enabled=kind == "dbcache",

@@ -29,6 +29,12 @@ STATUS_CANCELLED = 499
 STATUS_BUG = 500
 STATUS_UNAVAILABLE = 503
 
+# Worker settings the CLI offers (`--step-cache`, `--diffusion-offload`,
+# `--diffusion-quantization`); step_cache.STEP_CACHES and pipelines/memory.py implement them.
+STEP_CACHE_KINDS = ("none", "dbcache")
+OFFLOAD_MODES = ("none", "model", "sequential")
+DIFFUSION_QUANTIZATIONS = ("none", "int8wo")
+
 
 @dataclass(frozen=True)
 class StepCacheConfig:

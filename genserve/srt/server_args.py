@@ -17,8 +17,8 @@ SPECULATIVE_ALGORITHMS = ("ngram",)
 class EngineArgs:
     model_path: str | None = None  # HF folder, .gguf file, or None for the embedded SmolLM2
     # "auto": bfloat16 on GPUs and on CPUs with native bf16 math (AVX512-BF16 / AMX), else
-    # float32: without native bf16 the GEMMs convert in software, run several times slower
-    # than fp32 and gain nothing from batching (docs/benchmarks.md).
+    # float32: without native bf16 the GEMMs convert in software, run slower than fp32 and
+    # gain nothing from batching (figures: docs/benchmarks.md).
     dtype: str = "auto"
     device: str = "auto"  # "auto" = cuda when available, else cpu
     attention_backend: str | None = None  # None = triton on CUDA, torch on CPU

@@ -13,7 +13,7 @@ from PIL import Image
 
 from genserve.demo_models import scorer, world
 from genserve.demo_models.models import DEFAULT_GUIDANCE
-from genserve.multimodal_gen.launch import DEFAULT_MODELS
+from genserve.multimodal_gen.named_models import default_model_names
 from tests.diffusion.helpers import error_of
 
 # Fixed held-out prompts and seeds; thresholds are loose (the full evaluation is
@@ -116,7 +116,7 @@ def test_same_seed_same_pixels_batched_or_alone(image_pipe):
 
 
 def test_default_models_are_the_demo_models():
-    assert DEFAULT_MODELS == ("shapes-image", "shapes-video")
+    assert default_model_names() == ("shapes-image", "shapes-video")
 
 
 def test_models_list_the_demo_models_with_their_grammar(http):

@@ -383,13 +383,34 @@ def test_encoders_round_trip(tmp_path):
                     "num_frames": 9, "width": 48, "height": 32}
 
 
-def test_embedded_names_agree():
-    from genserve.demo_models.models import MODEL_NAMES
-    from genserve.multimodal_gen.embedded import EMBEDDED_NAMES
-    from genserve.multimodal_gen.launch import DEFAULT_MODELS, EMBEDDED_MODELS
+def test_named_model_table_rows_resolve_and_agree_with_their_families():
+    import dataclasses
 
-    assert tuple(MODEL_NAMES.values()) + EMBEDDED_NAMES == EMBEDDED_MODELS
-    assert set(DEFAULT_MODELS) == set(MODEL_NAMES.values())
+    from genserve.demo_models.models import MODEL_NAMES
+    from genserve.multimodal_gen.messages import ModelSpec
+    from genserve.multimodal_gen.named_models import DIFFUSION_MODELS, default_model_names
+    from genserve.multimodal_gen.pipelines.base import DiffusionFamily
+    from genserve.named_models import locate, source_path
+
+    assert DIFFUSION_MODELS.names() == [
+        "shapes-image", "shapes-video", "tiny-flux", "tiny-wan", "tiny-sd3", "tiny-sd",
+        "tiny-ltx", "tiny-sdxl", "tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v",
+        "tiny-qwen-image", "tiny-qwen-image-edit", "tiny-helios", "tiny-helios-pyramid",
+        "tiny-helios-distilled"]
+    assert default_model_names() == tuple(MODEL_NAMES.values()) == ("shapes-image",
+                                                                     "shapes-video")
+    spec_fields = {f.name for f in dataclasses.fields(ModelSpec)}
+    for row in DIFFUSION_MODELS.rows:
+        family = locate(row.family)
+        assert issubclass(family, DiffusionFamily) and family.task == row.task, row.name
+        assert set(row.spec) <= spec_fields, row.name
+        if row.kind == "builder":
+            assert callable(locate(row.source)), row.name
+        else:
+            assert (source_path(row) / "model_index.json").is_file(), row.name
+        if row.pipeline:  # a class of its own: its family serves it
+            assert row.pipeline_class_name in family.pipeline_classes
+            assert locate(row.pipeline).__name__ == row.pipeline_class_name
 
 
 def test_request_step_cache_fills_in_from_the_server_default():

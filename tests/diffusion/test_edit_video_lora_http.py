@@ -34,18 +34,15 @@ MASK[:, 16:] = 255
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory, output_dir):
-    import torch
 
     from genserve.entrypoints.app import create_app
     from genserve.entrypoints.config import GatewayConfig
-    from genserve.multimodal_gen.embedded import _BUILDERS
+    from genserve.multimodal_gen.embedded import build_embedded
     from genserve.multimodal_gen.engine_client import WorkerDiffusionClient
     from genserve.multimodal_gen.worker import WorkerConfig
     from tests.diffusion.test_lora import make_lora
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        flux = _BUILDERS["tiny-flux"]()
+    flux = build_embedded("tiny-flux", shared=False)  # seed 0
     lora = make_lora(flux, tmp_path_factory.mktemp("lora") / "ink", 1)
     client = WorkerDiffusionClient(WorkerConfig(
         ("tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v", "tiny-flux",

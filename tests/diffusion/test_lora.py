@@ -13,7 +13,7 @@ import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
-from genserve.multimodal_gen.embedded import _BUILDERS
+from genserve.multimodal_gen.embedded import build_embedded
 from genserve.multimodal_gen.messages import (
     DiffusionRequest,
     ModelSpec,
@@ -28,9 +28,7 @@ TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
 def _seeded(name: str):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return _BUILDERS[name]()
+    return build_embedded(name, shared=False)
 
 
 def make_lora(pipe, path, seed: int, targets=TARGETS) -> str:

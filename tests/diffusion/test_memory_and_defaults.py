@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from genserve.multimodal_gen.embedded import _BUILDERS
+from genserve.multimodal_gen.embedded import build_embedded
 from genserve.multimodal_gen.messages import ResolvedRequest, StepCacheConfig
 from genserve.multimodal_gen.pipelines import LoadOptions, MemoryOptions, load_model
 from tests.diffusion.test_vs_diffusers import _assert_close, _reference
@@ -38,9 +38,7 @@ def test_vae_tiling_and_slicing_decode_as_diffusers_does():
     tiled = load_model("tiny-flux", LoadOptions(memory=MemoryOptions(vae_tiling=True)))
     assert tiled.pipe.vae.use_tiling and tiled.pipe is not load_model("tiny-flux").pipe
     got = frames(tiled, r)[0]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        ref = _BUILDERS["tiny-flux"]()
+    ref = build_embedded("tiny-flux", shared=False)  # seed 0
     ref.set_progress_bar_config(disable=True)
     ref.vae.enable_tiling()
     want = _reference(ref, (("a red cat", 1),), height=128, width=128, guidance_scale=3.5)
@@ -79,10 +77,8 @@ def test_offload_without_an_accelerator_keeps_the_weights_in_place():
 def test_distilled_checkpoints_bring_their_defaults(tmp_path):
     from diffusers import EulerAncestralDiscreteScheduler
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        flux = _BUILDERS["tiny-flux"]()  # no guidance embedding: a [schnell]-like checkpoint
-        sdxl = _BUILDERS["tiny-sdxl"]()
+    flux = build_embedded("tiny-flux", shared=False)  # no guidance embedding: [schnell]-like
+    sdxl = build_embedded("tiny-sdxl", shared=False)
     flux.save_pretrained(tmp_path / "schnell")
     card = load_model(str(tmp_path / "schnell")).spec.to_model_card()
     assert (card["default_steps"], card["default_guidance"]) == (4, 0.0)

@@ -30,7 +30,7 @@ import torch
 
 from genserve.demo_models.models import weights_path
 from genserve.demo_models.pipeline import ShapesImagePipeline, ShapesVideoPipeline
-from genserve.multimodal_gen.embedded import _BUILDERS
+from genserve.multimodal_gen.embedded import build_embedded
 from genserve.multimodal_gen.messages import ResolvedRequest, StepCacheConfig
 from genserve.multimodal_gen.pipelines import load_model
 
@@ -132,9 +132,7 @@ def _assert_close(got: np.ndarray, want: np.ndarray, scale: float,
 
 @pytest.mark.parametrize("name, size, frames, guidance", FAMILIES)
 def test_family_equals_diffusers_alone_and_batched(name, size, frames, guidance, tmp_path):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        pipe = _BUILDERS[name]()
+    pipe = build_embedded(name, shared=False)  # seed 0
     _odd_latent_statistics(name, pipe)
     pipe.save_pretrained(tmp_path / name)
     model = load_model(str(tmp_path / name))  # genserve's path for a diffusers folder
@@ -195,9 +193,7 @@ def test_http_image_equals_diffusers(http):
     assert r.status_code == 200, r.text
     got = [np.asarray(Image.open(io.BytesIO(base64.b64decode(d["b64_json"]))).convert("RGB"))
            for d in r.json()["data"]]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)  # build_embedded's default weights seed
-        ref = _BUILDERS["tiny-flux"]()
+    ref = build_embedded("tiny-flux", shared=False)  # seed 0
     ref.set_progress_bar_config(disable=True)
     want = _reference(ref, (("a red cat", 7), ("a red cat", 8)), height=32, width=32,
                       guidance_scale=3.5)

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from genserve.word_tokenizer import word_tokenizer
+
 SPECIALS = [
     "<unk>",
     "<|endoftext|>",
@@ -39,20 +41,14 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer(folder: Path, image: str = QWEN_IMAGE):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     # Byte-level words ("Ġ" = a leading space, "Ċ" = newline), so decoding is exact.
     pieces = SPECIALS + ["Ċ"] + [p for w in WORDS for p in (w, "Ġ" + w)]
-    vocab = {t: i for i, t in enumerate(pieces)}
-    for i in range(len(vocab), VOCAB_SIZE):
-        vocab[f"Ġw{i}"] = i
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
+    pieces += [f"Ġw{i}" for i in range(len(pieces), VOCAB_SIZE)]
+    fast = word_tokenizer(
+        pieces,
+        unk="<unk>",
+        split="bytelevel",
+        lowercase=False,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=SPECIALS[2:],

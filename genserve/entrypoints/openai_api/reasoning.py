@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
-PARSERS = ("deepseek-r1", "qwen3")
+from genserve.entrypoints.config import REASONING_PARSERS
+
+PARSERS = REASONING_PARSERS
 _OPEN, _CLOSE = "<think>", "</think>"
 
 

@@ -22,7 +22,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-PARSERS = ("hermes", "llama3", "mistral", "json")
+from genserve.entrypoints.config import TOOL_CALL_PARSERS
+
+PARSERS = (*TOOL_CALL_PARSERS, "json")
 
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 _MARKERS = {

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from genserve.multimodal_gen.encoding import encode_image
+
 MAGIC = b"GSF1"
 HEADER = struct.Struct("<4sBBHIHHHHI")
 HEADER_SIZE = HEADER.size  # 24
@@ -82,20 +84,14 @@ class FrameHeader:
         return cls(FrameKind(kind), FrameFormat(fmt), chunk, step, index, width, height, length)
 
 
-def encode_image(rgb: np.ndarray, fmt: FrameFormat, quality: int) -> bytes:
+def encode_payload(rgb: np.ndarray, fmt: FrameFormat, quality: int) -> bytes:
     """Encode one uint8 [H, W, 3] frame. CPU-bound: call it from a worker thread."""
     if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
         raise ValueError(f"expected a uint8 [H, W, 3] frame, got {rgb.dtype} {rgb.shape}")
     if fmt == FrameFormat.RGB:
         return np.ascontiguousarray(rgb).tobytes()
-    buf = io.BytesIO()
-    image = Image.fromarray(rgb)
-    if fmt == FrameFormat.WEBP:
-        # method 0: the fastest encoder setting; quality still bounds the size.
-        image.save(buf, format="WEBP", quality=quality, method=0)
-    else:
-        image.save(buf, format="JPEG", quality=quality)
-    return buf.getvalue()
+    # WebP method 0: the fastest encoder setting; quality still bounds the size.
+    return encode_image(rgb, fmt.name.lower(), quality, webp_method=0)
 
 
 def encode_frame(
@@ -103,7 +99,7 @@ def encode_frame(
     frame_index: int,
 ) -> bytes:
     """Header + payload of one binary WebSocket message."""
-    payload = encode_image(rgb, fmt, quality)
+    payload = encode_payload(rgb, fmt, quality)
     height, width = rgb.shape[:2]
     header = FrameHeader(kind, fmt, chunk, step, frame_index, width, height, len(payload))
     return header.pack() + payload
@@ -138,4 +134,4 @@ def warm_up_encoders() -> None:
     would otherwise delay a session's first preview."""
     tiny = np.zeros((8, 8, 3), dtype=np.uint8)
     for fmt in FrameFormat:
-        encode_image(tiny, fmt, 80)
+        encode_payload(tiny, fmt, 80)

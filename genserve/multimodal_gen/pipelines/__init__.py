@@ -1,9 +1,10 @@
 """Registry of supported diffusion pipeline families and the model loader.
 
-`load_model(path_or_name, ...)` accepts an embedded name (`tiny-flux`, `tiny-wan`), a demo model
-name (`shapes-image`, `shapes-video`: trained weights shipped in the package), a diffusers
-folder (its `model_index.json` names the pipeline class) or a hub id (when allowed). Runs in the
-worker process (imports torch).
+`load_model(path_or_name, ...)` accepts a name of `named_models` (an embedded builder such as
+`tiny-flux`, or a shipped weights folder such as the demo model `shapes-image`), a diffusers
+folder (its `model_index.json` names the pipeline class) or a hub id (when allowed). A named
+model's family and pipeline class come from its row by dotted path. Runs in the worker process
+(imports torch).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from genserve.multimodal_gen.named_models import DIFFUSION_MODELS
 from genserve.multimodal_gen.pipelines.base import DiffusionFamily
 from genserve.multimodal_gen.pipelines.flux import FluxFamily
 from genserve.multimodal_gen.pipelines.flux_edit import FluxFillFamily, FluxKontextFamily
@@ -28,59 +30,17 @@ from genserve.multimodal_gen.pipelines.qwen_image import QwenImageEditFamily, Qw
 from genserve.multimodal_gen.pipelines.sd import StableDiffusionFamily
 from genserve.multimodal_gen.pipelines.sd3 import SD3Family
 from genserve.multimodal_gen.pipelines.sdxl import StableDiffusionXLFamily
-from genserve.multimodal_gen.pipelines.shapes import ShapesImageFamily, ShapesVideoFamily
 from genserve.multimodal_gen.pipelines.wan import WanFamily
 from genserve.multimodal_gen.pipelines.wan_i2v import WanImageToVideoFamily
+from genserve.named_models import NamedModel, locate, source_path
 
+# The families of diffusers' own pipeline classes. Families of pipeline classes a package
+# defines itself (the demo models') come from their named-model rows.
 FAMILIES: tuple[type[DiffusionFamily], ...] = (
     FluxFamily, FluxKontextFamily, FluxFillFamily, SD3Family, StableDiffusionFamily,
     StableDiffusionXLFamily, QwenImageFamily, QwenImageEditFamily, WanFamily,
-    WanImageToVideoFamily, LTXFamily, HeliosFamily, HeliosPyramidFamily, ShapesImageFamily,
-    ShapesVideoFamily,
+    WanImageToVideoFamily, LTXFamily, HeliosFamily, HeliosPyramidFamily,
 )
-# Pipeline classes genserve defines itself (diffusers cannot look them up by name).
-OWN_PIPELINES = {
-    "ShapesImagePipeline": "genserve.demo_models.pipeline",
-    "ShapesVideoPipeline": "genserve.demo_models.pipeline",
-}
-
-# Embedded models: a family, the builder name and spec defaults sized for a CPU.
-EMBEDDED_SPECS: dict[str, tuple[type[DiffusionFamily], dict]] = {
-    "tiny-flux": (FluxFamily, dict(default_width=64, default_height=64, default_steps=4,
-                                   max_pixels=512 * 512, default_guidance=3.5)),
-    "tiny-wan": (WanFamily, dict(default_width=64, default_height=64, default_steps=4,
-                                 default_num_frames=9, max_num_frames=33, max_pixels=256 * 256,
-                                 default_guidance=1.0, default_fps=8)),
-    # Not served by default: they exercise the other families in tests.
-    "tiny-sd3": (SD3Family, dict(default_width=64, default_height=64, default_steps=4,
-                                 max_pixels=512 * 512, default_guidance=5.0)),
-    "tiny-sd": (StableDiffusionFamily, dict(default_width=64, default_height=64,
-                                            default_steps=4, max_pixels=512 * 512,
-                                            default_guidance=5.0)),
-    "tiny-ltx": (LTXFamily, dict(default_width=64, default_height=64, default_steps=4,
-                                 default_num_frames=9, max_num_frames=33, max_pixels=256 * 256,
-                                 default_guidance=3.0, default_fps=8)),
-    "tiny-sdxl": (StableDiffusionXLFamily, dict(default_width=64, default_height=64,
-                                                default_steps=4, max_pixels=512 * 512,
-                                                default_guidance=5.0)),
-    "tiny-flux-kontext": (FluxKontextFamily, dict(default_width=64, default_height=64,
-                                                  default_steps=4, max_pixels=512 * 512)),
-    "tiny-flux-fill": (FluxFillFamily, dict(default_width=64, default_height=64,
-                                            default_steps=4, max_pixels=512 * 512)),
-    "tiny-wan-i2v": (WanImageToVideoFamily, dict(default_width=64, default_height=64,
-                                                 default_steps=4, default_num_frames=9,
-                                                 max_num_frames=33, max_pixels=256 * 256,
-                                                 default_guidance=1.0, default_fps=8)),
-    "tiny-qwen-image": (QwenImageFamily, dict(default_width=64, default_height=64,
-                                              default_steps=4, max_pixels=512 * 512)),
-    "tiny-qwen-image-edit": (QwenImageEditFamily, dict(default_width=64, default_height=64,
-                                                       default_steps=4, max_pixels=512 * 512)),
-    "tiny-helios": (HeliosFamily, dict(default_width=64, default_height=64, default_steps=2,
-                                       max_pixels=256 * 256, default_guidance=1.0,
-                                       default_fps=8)),
-    "tiny-helios-pyramid": (HeliosPyramidFamily, dict(default_width=64, default_height=64, default_steps=2, max_pixels=256 * 256, default_guidance=1.0, default_fps=8)),  # noqa: E501
-    "tiny-helios-distilled": (HeliosPyramidFamily, dict(default_width=64, default_height=64, default_steps=1, max_pixels=256 * 256, default_guidance=1.0, default_fps=8)),  # noqa: E501
-}
 
 
 @dataclass(frozen=True)
@@ -99,11 +59,22 @@ class LoadOptions:
             object.__setattr__(self, "memory", dataclasses.replace(self.memory, offload="model"))
 
 
+def _row_of_class(class_name: str) -> NamedModel | None:
+    """The named-model row whose own pipeline class is `class_name` (diffusers cannot import
+    it by name), if any."""
+    return next((row for row in DIFFUSION_MODELS.rows
+                 if row.pipeline_class_name == class_name), None)
+
+
 def family_for_class(class_name: str) -> type[DiffusionFamily]:
     for fam in FAMILIES:
         if class_name in fam.pipeline_classes:
             return fam
-    supported = sorted(c for fam in FAMILIES for c in fam.pipeline_classes)
+    row = _row_of_class(class_name)
+    if row is not None and row.family:
+        return locate(row.family)
+    supported = sorted([c for fam in FAMILIES for c in fam.pipeline_classes]
+                       + [r.pipeline_class_name for r in DIFFUSION_MODELS.rows if r.pipeline])
     raise ValueError(f"pipeline class {class_name!r} is not supported; supported: {supported}")
 
 
@@ -129,29 +100,24 @@ def load_model(path_or_name: str, options: LoadOptions | None = None,
 
     options = options or LoadOptions()
     device, dtype = _resolve(options)
-    if path_or_name in EMBEDDED_SPECS:
+    row = DIFFUSION_MODELS.get(path_or_name)
+    if row is not None and row.kind == "builder":
         from genserve.multimodal_gen.embedded import build_embedded
 
-        family, overrides = EMBEDDED_SPECS[path_or_name]
         # Weights that will change get their own instance; others share the process's one.
         changes = bool(options.loras) or options.memory != MemoryOptions()
         pipe = build_embedded(path_or_name, shared=not changes)  # built in float32
         if dtype != torch.float32:
             pipe = pipe.to(dtype=dtype)
-        return _finish(family, name or path_or_name, pipe, "embedded", options, device,
-                       overrides)
+        return _finish(locate(row.family), name or path_or_name, pipe, "embedded", options,
+                       device, row.spec)
     from diffusers import DiffusionPipeline
 
-    from genserve.demo_models.models import MODEL_NAMES
-
-    if path_or_name in MODEL_NAMES.values():  # a trained demo model shipped in the package
-        from genserve.demo_models.models import weights_path
-
-        kind = next(k for k, v in MODEL_NAMES.items() if v == path_or_name)
+    if row is not None:  # weights shipped in a package (the trained demo models)
         name = name or path_or_name
-        path_or_name = str(weights_path(kind))
+        path_or_name = str(source_path(row))
         if not (Path(path_or_name) / "model_index.json").is_file():
-            raise ValueError(f"the demo model's weights are missing from {path_or_name}")
+            raise ValueError(f"the weights of {name} are missing from {path_or_name}")
     index = Path(path_or_name) / "model_index.json"
     if index.is_file():
         class_name = json.loads(index.read_text())["_class_name"]
@@ -159,19 +125,19 @@ def load_model(path_or_name: str, options: LoadOptions | None = None,
         from genserve import envs
 
         if not envs.GENSERVE_ALLOW_HUB_DOWNLOAD.get():
-            raise ValueError(f"{path_or_name!r} is neither an embedded model nor a diffusers "
-                             "folder with model_index.json (hub downloads are disabled)")
+            raise ValueError(f"{path_or_name!r} is neither a named model (genserve models) nor "
+                             "a diffusers folder with model_index.json (hub downloads are "
+                             "disabled)")
         class_name = DiffusionPipeline.load_config(path_or_name)["_class_name"]
-    family = family_for_class(class_name)
-    pipe_cls = DiffusionPipeline
-    if class_name in OWN_PIPELINES:
-        import importlib
-
-        pipe_cls = getattr(importlib.import_module(OWN_PIPELINES[class_name]), class_name)
+    family = locate(row.family) if row is not None and row.family else family_for_class(
+        class_name)
+    own = row if row is not None and row.pipeline else _row_of_class(class_name)
+    pipe_cls = locate(own.pipeline) if own is not None else DiffusionPipeline
     pipe = pipe_cls.from_pretrained(path_or_name, torch_dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     model_name = name or (Path(path_or_name).name if index.is_file() else path_or_name)
-    return _finish(family, model_name, pipe, str(path_or_name), options, device)
+    overrides = row.spec if row is not None and row.spec else None
+    return _finish(family, model_name, pipe, str(path_or_name), options, device, overrides)
 
 
 def _finish(family: type[DiffusionFamily], name: str, pipe, source: str, options: LoadOptions,

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
+from genserve.multimodal_gen.messages import DIFFUSION_QUANTIZATIONS, OFFLOAD_MODES
+
 logger = logging.getLogger("genserve.diffusion.memory")
 
-OFFLOAD_MODES = ("none", "model", "sequential")
-QUANTIZATIONS = ("none", "int8wo")
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,9 @@ class MemoryOptions:
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD_MODES:
             raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {self.offload!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"diffusion quantization must be one of {QUANTIZATIONS}, got "
-                             f"{self.quantization!r}")
+        if self.quantization not in DIFFUSION_QUANTIZATIONS:
+            raise ValueError(f"diffusion quantization must be one of "
+                             f"{DIFFUSION_QUANTIZATIONS}, got {self.quantization!r}")
 
 
 def quantize_denoiser(denoiser: torch.nn.Module, quantization: str) -> int:

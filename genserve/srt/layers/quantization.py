@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genserve.srt.server_args import QUANTIZATIONS
+
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", "int8wo", "int4wo", "auto")
 # int4 group sizes tried from the smallest (most exact; a Q4 GGUF's own groups are 32 wide).
 _INT4_GROUP_SIZES = (32, 64, 128)
 

@@ -1,4 +1,5 @@
-"""The trained demo models (`shapes-image`, `shapes-video`): `genserve.demo_models`' pipelines.
+"""The diffusion family of the trained demo models (`shapes-image`, `shapes-video`), named by
+dotted path from their rows in `genserve.multimodal_gen.named_models`.
 
 They denoise pixels directly (no VAE): the working "latents" are the native 32x32 picture with a
 video's frames stacked on the channel axis, [B, 3F, 32, 32]. Unpacking splits the frames and

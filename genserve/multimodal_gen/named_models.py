@@ -1,0 +1,91 @@
+"""Every diffusion model servable by name: one row each (no torch).
+
+`load_model` (pipelines/__init__.py) builds a builder row's pipeline (`embedded.build_embedded`)
+or loads a folder row's diffusers folder, wraps it in the row's family and applies the row's
+spec defaults over the family's. Rows marked `default` are served when no
+`--diffusion-model-path` is given. Adding an embedded model is one row here plus its builder (or
+its weights folder).
+"""
+
+from __future__ import annotations
+
+from genserve.multimodal_gen.messages import (
+    IMAGE_EDIT,
+    IMAGE_TO_VIDEO,
+    INPAINTING,
+    TEXT_TO_IMAGE,
+    TEXT_TO_VIDEO,
+)
+from genserve.named_models import NamedModel, NamedModelTable
+
+_EMBEDDED = "genserve.multimodal_gen.embedded"
+_PIPELINES = "genserve.multimodal_gen.pipelines"
+_DEMO = "genserve.demo_models"
+
+# Spec defaults of the embedded random-weight pipelines, sized for a CPU.
+_TINY_IMAGE = dict(default_width=64, default_height=64, default_steps=4, max_pixels=512 * 512)
+_TINY_VIDEO = dict(default_width=64, default_height=64, default_steps=4, default_num_frames=9,
+                   max_num_frames=33, max_pixels=256 * 256, default_fps=8)
+_TINY_HELIOS = dict(default_width=64, default_height=64, default_steps=2, max_pixels=256 * 256,
+                    default_guidance=1.0, default_fps=8)
+
+
+def _demo(name: str, task: str, kind: str, summary: str) -> NamedModel:
+    # The trained demo models: weights shipped in the package, their own pipeline class.
+    cls = kind.capitalize()
+    return NamedModel(
+        name, "diffusion", task, "folder", f"{_DEMO}.models:{kind.upper()}_WEIGHTS_PATH",
+        family=f"{_DEMO}.family:Shapes{cls}Family",
+        pipeline=f"{_DEMO}.pipeline:Shapes{cls}Pipeline", default=True, summary=summary)
+
+
+def _tiny(name: str, task: str, family: str, spec: dict, summary: str,
+          module: str = _EMBEDDED) -> NamedModel:
+    builder = "build_" + name.replace("-", "_")
+    return NamedModel(name, "diffusion", task, "builder", f"{module}:{builder}",
+                      family=f"{_PIPELINES}.{family}", spec=spec, summary=summary)
+
+
+ROWS = (
+    _demo("shapes-image", TEXT_TO_IMAGE, "image", "trained demo model: the shapes grammar"),
+    _demo("shapes-video", TEXT_TO_VIDEO, "video", "trained demo model: the shapes grammar"),
+    # Random weights: they exercise every code path of their family.
+    _tiny("tiny-flux", TEXT_TO_IMAGE, "flux:FluxFamily",
+          dict(_TINY_IMAGE, default_guidance=3.5), "random-weight FLUX.1"),
+    _tiny("tiny-wan", TEXT_TO_VIDEO, "wan:WanFamily",
+          dict(_TINY_VIDEO, default_guidance=1.0), "random-weight Wan 2.1"),
+    _tiny("tiny-sd3", TEXT_TO_IMAGE, "sd3:SD3Family",
+          dict(_TINY_IMAGE, default_guidance=5.0), "random-weight Stable Diffusion 3"),
+    _tiny("tiny-sd", TEXT_TO_IMAGE, "sd:StableDiffusionFamily",
+          dict(_TINY_IMAGE, default_guidance=5.0), "random-weight Stable Diffusion 1.x"),
+    _tiny("tiny-ltx", TEXT_TO_VIDEO, "ltx:LTXFamily",
+          dict(_TINY_VIDEO, default_guidance=3.0), "random-weight LTX-Video"),
+    _tiny("tiny-sdxl", TEXT_TO_IMAGE, "sdxl:StableDiffusionXLFamily",
+          dict(_TINY_IMAGE, default_guidance=5.0), "random-weight SDXL"),
+    _tiny("tiny-flux-kontext", IMAGE_EDIT, "flux_edit:FluxKontextFamily", dict(_TINY_IMAGE),
+          "random-weight FLUX.1 Kontext"),
+    _tiny("tiny-flux-fill", INPAINTING, "flux_edit:FluxFillFamily", dict(_TINY_IMAGE),
+          "random-weight FLUX.1 Fill"),
+    _tiny("tiny-wan-i2v", IMAGE_TO_VIDEO, "wan_i2v:WanImageToVideoFamily",
+          dict(_TINY_VIDEO, default_guidance=1.0), "random-weight Wan 2.2 image-to-video"),
+    _tiny("tiny-qwen-image", TEXT_TO_IMAGE, "qwen_image:QwenImageFamily", dict(_TINY_IMAGE),
+          "random-weight Qwen-Image", _EMBEDDED + "_qwen"),
+    _tiny("tiny-qwen-image-edit", IMAGE_EDIT, "qwen_image:QwenImageEditFamily",
+          dict(_TINY_IMAGE), "random-weight Qwen-Image-Edit", _EMBEDDED + "_qwen"),
+    _tiny("tiny-helios", TEXT_TO_VIDEO, "helios:HeliosFamily", dict(_TINY_HELIOS),
+          "random-weight Helios"),
+    _tiny("tiny-helios-pyramid", TEXT_TO_VIDEO, "helios_pyramid:HeliosPyramidFamily",
+          dict(_TINY_HELIOS), "random-weight Helios, pyramid stages"),
+    _tiny("tiny-helios-distilled", TEXT_TO_VIDEO, "helios_pyramid:HeliosPyramidFamily",
+          dict(_TINY_HELIOS, default_steps=1), "random-weight Helios, distilled (DMD)"),
+)
+DIFFUSION_MODELS = NamedModelTable("diffusion", ROWS)
+
+
+def default_model_names() -> tuple[str, ...]:
+    return tuple(row.name for row in DIFFUSION_MODELS.defaults())
+
+
+def default_model_for(task: str) -> str:
+    """The default model serving `task` (`genserve generate` without --model)."""
+    return next(row.name for row in DIFFUSION_MODELS.defaults() if row.task == task)
