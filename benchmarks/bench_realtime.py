@@ -189,7 +189,7 @@ class ReplayDiffusion(DiffusionEngineClient):
     def __init__(self, frames: list[np.ndarray], rate: float | None) -> None:
         self.frames = frames
         self.rate = rate
-        self.yielded_at: dict[tuple[str, int], float] = {}  # (request_id, step) -> time
+        self.yielded_at: dict[tuple[str, int], float] = {}  # (rid, step) -> time
         self.finished: list[str] = []
 
     def specs(self) -> list[ModelSpec]:
@@ -197,12 +197,12 @@ class ReplayDiffusion(DiffusionEngineClient):
 
     async def stream(self, req: DiffusionRequest) -> AsyncIterator[DiffusionEvent]:
         if req.model != REPLAY.name:
-            yield ErrorEvent(req.request_id, f"unknown model {req.model!r}", STATUS_UNKNOWN_MODEL)
+            yield ErrorEvent(req.rid, f"unknown model {req.model!r}", STATUS_UNKNOWN_MODEL)
             return
         try:
             r = resolve_request(req, REPLAY, StepCacheConfig())
         except ValueError as exc:
-            yield ErrorEvent(req.request_id, str(exc), STATUS_BAD_INPUT)
+            yield ErrorEvent(req.rid, str(exc), STATUS_BAD_INPUT)
             return
         steps = r.num_inference_steps
         t0 = time.monotonic()
@@ -215,14 +215,14 @@ class ReplayDiffusion(DiffusionEngineClient):
             if req.preview:
                 frame = self.frames[step % len(self.frames)]
                 preview = frame[None, : r.height, : r.width]
-            self.yielded_at[(req.request_id, step)] = time.monotonic()
-            yield StepEvent(req.request_id, step, steps, preview)
+            self.yielded_at[(req.rid, step)] = time.monotonic()
+            yield StepEvent(req.rid, step, steps, preview)
         outputs = np.stack([self.frames[i % len(self.frames)][: r.height, : r.width]
                             for i in range(r.num_frames)])
-        self.finished.append(req.request_id)
-        yield ResultEvent(req.request_id, [outputs], r.fps, 0, steps, {}, list(r.seeds))
+        self.finished.append(req.rid)
+        yield ResultEvent(req.rid, [outputs], r.fps, 0, steps, {}, list(r.seeds))
 
-    async def cancel(self, request_id: str) -> bool:
+    async def cancel(self, rid: str) -> bool:
         return False  # streams end on their own; closing one stops it at its next step
 
     def is_healthy(self) -> bool:
@@ -296,8 +296,8 @@ def bench_session_transport(steps: int, rate: float | None, quality: int, noise:
         else:
             with ThreadPoolExecutor(1) as pool:
                 r = pool.submit(_receive_replay_session, url, steps, quality).result(600)
-    (request_id,) = client.finished
-    delays = [(t - client.yielded_at[(request_id, s)]) * 1e3
+    (rid,) = client.finished
+    delays = [(t - client.yielded_at[(rid, s)]) * 1e3
               for s, t in zip(r["preview_steps"], r["preview_times"], strict=True)]
     times = r["preview_times"]
     received = len(times)

@@ -37,7 +37,7 @@ from genserve.multimodal_gen.messages import DiffusionRequest, ErrorEvent, Resul
 def _request(args, stream_id: str, chunk: int, seed: int) -> DiffusionRequest:
     width, height = (int(v) for v in args.size.split("x"))
     return DiffusionRequest(
-        request_id=f"{stream_id}-{chunk}", model=args.model, prompt="a red cat walking",
+        rid=f"{stream_id}-{chunk}", model=args.model, prompt="a red cat walking",
         width=width, height=height, num_inference_steps=args.steps, seed=seed,
         progress=False, stream_id=stream_id, stream_reset=chunk == 0)
 
@@ -45,7 +45,7 @@ def _request(args, stream_id: str, chunk: int, seed: int) -> DiffusionRequest:
 async def _chunk(client, req: DiffusionRequest) -> int:
     async for event in client.stream(req):
         if isinstance(event, ErrorEvent):
-            raise RuntimeError(f"chunk {req.request_id} failed: {event.message}")
+            raise RuntimeError(f"chunk {req.rid} failed: {event.message}")
         if isinstance(event, ResultEvent):
             return len(event.outputs[0])
     raise RuntimeError("the stream ended without a result")

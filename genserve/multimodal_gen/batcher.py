@@ -56,10 +56,10 @@ class RequestBatcher:
         self._last_arrival = now
         self._queue.append(_Queued(req, now, quiet))
 
-    def remove(self, request_id: str) -> bool:
+    def remove(self, rid: str) -> bool:
         """Drop a queued request (cancelled before it ran); False if it is not queued."""
         for i, item in enumerate(self._queue):
-            if item.req.request_id == request_id:
+            if item.req.rid == rid:
                 del self._queue[i]
                 return True
         return False
@@ -114,20 +114,20 @@ class RequestBatcher:
         """Outputs the last popped batch could still take."""
         return self.max_batch_size - sum(item.req.num_outputs for item in self._popped)
 
-    def requeue(self, request_ids: set[str]) -> None:
+    def requeue(self, rids: set[str]) -> None:
         """Put those requests of the last popped batch back at the head of the queue, in their
         order, due at once; they will not be regrouped again."""
-        back = [item for item in self._popped if item.req.request_id in request_ids]
+        back = [item for item in self._popped if item.req.rid in rids]
         for item in back:
             item.quiet, item.regrouped = True, True
         self._queue = back + self._queue
         self._popped = []
 
     def queued_ids(self) -> set[str]:
-        return {item.req.request_id for item in self._queue}
+        return {item.req.rid for item in self._queue}
 
     def check_integrity(self) -> None:
-        ids = [item.req.request_id for item in self._queue]
+        ids = [item.req.rid for item in self._queue]
         if len(ids) != len(set(ids)):
             raise AssertionError(f"request queued twice: {ids}")
         queued = [item for item in self._queue if not item.regrouped]

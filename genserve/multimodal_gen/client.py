@@ -39,7 +39,7 @@ class DiffusionClient(Protocol):
     def stream(self, req: DiffusionRequest
                ) -> AsyncIterator[StepEvent | ResultEvent | ErrorEvent]: ...
 
-    async def cancel(self, request_id: str) -> bool: ...
+    async def cancel(self, rid: str) -> bool: ...
 
     async def end_stream(self, stream_id: str) -> None: ...
 
@@ -91,7 +91,7 @@ class DiffusionEngineClient(ABC):
         cancels the request: the worker stops at the next step and frees its slot."""
 
     @abstractmethod
-    async def cancel(self, request_id: str) -> bool:
+    async def cancel(self, rid: str) -> bool:
         """Cancel a queued or running request (its stream ends with ErrorEvent(499)); False if
         the id is unknown or already finished."""
 

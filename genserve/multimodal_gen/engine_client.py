@@ -174,7 +174,7 @@ class WorkerDiffusionClient(DiffusionEngineClient):
 
     async def stream(self, req: DiffusionRequest) -> AsyncIterator[
             StepEvent | ResultEvent | ErrorEvent]:
-        rid = req.request_id
+        rid = req.rid
         try:
             spec = self.model_spec(req.model)
         except KeyError:
@@ -221,11 +221,11 @@ class WorkerDiffusionClient(DiffusionEngineClient):
             if not finished and link is self._link and self.is_healthy():
                 link.inbox.put(WorkerCancel(rid))  # the caller went away: free its slot
 
-    async def cancel(self, request_id: str) -> bool:
+    async def cancel(self, rid: str) -> bool:
         with self._lock:
-            known = request_id in self._inflight
+            known = rid in self._inflight
         if known and self.is_healthy():
-            self._link.inbox.put(WorkerCancel(request_id))
+            self._link.inbox.put(WorkerCancel(rid))
         return known
 
     async def shutdown(self) -> None:
@@ -251,7 +251,7 @@ class WorkerDiffusionClient(DiffusionEngineClient):
 
     def _deliver(self, event) -> None:
         with self._lock:
-            entry = self._inflight.get(event.request_id)
+            entry = self._inflight.get(event.rid)
         if entry is not None:
             try:
                 entry.loop.call_soon_threadsafe(entry.events.put_nowait, event)

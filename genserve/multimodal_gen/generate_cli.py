@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     req = DiffusionRequest(
-        request_id=uuid.uuid4().hex, model=spec.name, prompt=args.prompt,
+        rid=uuid.uuid4().hex, model=spec.name, prompt=args.prompt,
         negative_prompt=args.negative_prompt, width=args.width, height=args.height,
         num_frames=args.num_frames, fps=args.fps, num_inference_steps=args.num_inference_steps,
         guidance_scale=args.guidance_scale, seed=args.seed,

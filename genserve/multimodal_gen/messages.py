@@ -81,7 +81,7 @@ class DiffusionRequest:
     `genserve.multimodal_gen.validation.resolve_request`, which raises ValueError.
     """
 
-    request_id: str
+    rid: str
     model: str
     prompt: str
     negative_prompt: str | None = None
@@ -128,7 +128,7 @@ class DiffusionRequest:
 class StepEvent:
     """`step` denoising steps (1-based) of `total_steps` are done."""
 
-    request_id: str
+    rid: str
     step: int
     total_steps: int
     preview: np.ndarray | None = None  # uint8 [num_frames, H, W, 3] of output 0, if req.preview
@@ -136,7 +136,7 @@ class StepEvent:
 
 @dataclass
 class ResultEvent:
-    request_id: str
+    rid: str
     outputs: list[np.ndarray]  # one uint8 [num_frames, H, W, 3] per output (1 frame for images)
     fps: int | None
     cached_steps: int  # denoising steps served from the step cache (per output)
@@ -150,7 +150,7 @@ class ResultEvent:
 class ErrorEvent:
     """400 bad input, 404 unknown model, 499 cancelled, 500 bug, 503 worker dead/queue full."""
 
-    request_id: str
+    rid: str
     message: str
     status: int
 
@@ -274,7 +274,7 @@ class WorkerSubmit:
 
 @dataclass
 class WorkerCancel:
-    request_id: str
+    rid: str
 
 
 @dataclass
@@ -321,7 +321,7 @@ class ResolvedRequest:
     with. `batch_key` groups requests that may run as one pipeline call.
     """
 
-    request_id: str
+    rid: str
     model: str
     prompt: str
     negative_prompt: str | None
@@ -359,7 +359,7 @@ class ResolvedRequest:
         # DBCache decides to reuse a step from the residuals of the whole batch, so a
         # neighbour could change which steps this request caches (and so its pixels).
         caching = self.step_cache.enabled and self.step_cache.residual_diff_threshold > 0
-        alone = self.request_id if self.init_image is not None or caching else None
+        alone = self.rid if self.init_image is not None or caching else None
         return (
             self.model,
             self.width,

@@ -210,7 +210,7 @@ def resolve_request(
     if not 0 <= seed <= MAX_SEED - MAX_OUTPUTS:
         raise ValueError(f"seed must be between 0 and {MAX_SEED - MAX_OUTPUTS}, got {seed}")
     return ResolvedRequest(
-        request_id=req.request_id,
+        rid=req.rid,
         model=spec.name,
         prompt=req.prompt,
         negative_prompt=req.negative_prompt,

@@ -111,7 +111,7 @@ class _Worker:
         if isinstance(msg, WorkerSubmit):
             self.batcher.add(msg.request)
         elif isinstance(msg, WorkerCancel):
-            rid = msg.request_id
+            rid = msg.rid
             if self.batcher.remove(rid):
                 self.reported.pop(rid, None)  # it may have run a few steps before a regroup
                 self.outbox.put(ErrorEvent(rid, "request cancelled", STATUS_CANCELLED))
@@ -216,18 +216,18 @@ class _Worker:
             if refusal is None:
                 admitted.append(req)
             else:
-                self.reported.pop(req.request_id, None)
-                self.outbox.put(ErrorEvent(req.request_id, *refusal))
+                self.reported.pop(req.rid, None)
+                self.outbox.put(ErrorEvent(req.rid, *refusal))
         return admitted
 
     def _run(self, model: Any, batch: list[ResolvedRequest], states: list | None) -> None:
-        self.running = {r.request_id: r for r in batch}
+        self.running = {r.rid: r for r in batch}
         self.cancelled = set()
         t_start = time.time()
 
         def on_step(step: int, total: int, tensors: dict) -> StepDecision:
             self.drain(timeout=0)  # pick up cancels (and new submits) between steps
-            live = [r for r in batch if r.request_id not in self.cancelled]
+            live = [r for r in batch if r.rid not in self.cancelled]
             if not live:
                 return StepDecision.CANCEL  # every request of the batch was cancelled
             if step < total and step <= max(1, int(total * REGROUP_MAX_FRACTION)):
@@ -239,9 +239,9 @@ class _Worker:
                 if joining and (step > 0 or joining >= self.batcher.room()):
                     return StepDecision.REGROUP
             for req in live:
-                if step <= self.reported.get(req.request_id, 0):
+                if step <= self.reported.get(req.rid, 0):
                     continue  # a regrouped request re-runs steps it already reported
-                self.reported[req.request_id] = step
+                self.reported[req.rid] = step
                 if not (req.progress or req.preview):
                     continue  # its caller waits for the result only
                 preview = None
@@ -251,7 +251,7 @@ class _Worker:
                     row = _first_row(batch, req)
                     preview = model.preview({"latents": tensors["latents"][row : row + 1]},
                                             req, full_decode=every > 0)
-                self.outbox.put(StepEvent(req.request_id, step, total, preview))
+                self.outbox.put(StepEvent(req.rid, step, total, preview))
             return StepDecision.CONTINUE
 
         out = self._call(model, batch, on_step, states)
@@ -285,10 +285,10 @@ class _Worker:
         """Act on how the call ended: results, nothing (all cancelled) or a regroup."""
         if out.decision is StepDecision.CANCEL:
             for req in batch:
-                self.reported.pop(req.request_id, None)
+                self.reported.pop(req.rid, None)
             return
         if out.decision is StepDecision.REGROUP:
-            live = {r.request_id for r in batch if r.request_id not in self.cancelled}
+            live = {r.rid for r in batch if r.rid not in self.cancelled}
             for rid in self.cancelled:
                 self.reported.pop(rid, None)  # ended already; only the live ones go back
             logger.debug("regrouping %d request(s) with newly queued ones", len(live))
@@ -298,21 +298,21 @@ class _Worker:
         for req in batch:
             rows = out.frames[row : row + req.num_outputs]
             row += req.num_outputs
-            self.reported.pop(req.request_id, None)
-            if req.request_id in self.cancelled:
+            self.reported.pop(req.rid, None)
+            if req.rid in self.cancelled:
                 continue
             timings = dict(out.timings)
             timings["queue"] = max(0.0, (t_start - req.submitted_at) * 1e3)
             timings["total"] = (time.time() - req.submitted_at) * 1e3
             self.outbox.put(ResultEvent(
-                req.request_id, list(rows), req.fps, out.cached_steps, out.total_steps,
+                req.rid, list(rows), req.fps, out.cached_steps, out.total_steps,
                 timings, list(req.seeds), batch_size=len(batch)))
 
     def _fail(self, batch: list[ResolvedRequest], message: str, status: int) -> None:
         for req in batch:
-            self.reported.pop(req.request_id, None)
-            if req.request_id not in self.cancelled:
-                self.outbox.put(ErrorEvent(req.request_id, message, status))
+            self.reported.pop(req.rid, None)
+            if req.rid not in self.cancelled:
+                self.outbox.put(ErrorEvent(req.rid, message, status))
 
 
 def _first_row(batch: list[ResolvedRequest], req: ResolvedRequest) -> int:
@@ -321,7 +321,7 @@ def _first_row(batch: list[ResolvedRequest], req: ResolvedRequest) -> int:
         if other is req:
             return row
         row += other.num_outputs
-    raise KeyError(req.request_id)
+    raise KeyError(req.rid)
 
 
 def load_models(config: WorkerConfig, check: Callable[[Any], None] | None = None

@@ -100,14 +100,14 @@ class DiffusionWorkerPool(DiffusionEngineClient):
             StepEvent | ResultEvent | ErrorEvent]:
         index = self._place(req)
         if index is None:
-            yield ErrorEvent(req.request_id, "no diffusion worker is running",
+            yield ErrorEvent(req.rid, "no diffusion worker is running",
                              STATUS_UNAVAILABLE)
             return
         key = shape_key(req)
         self._in_flight[index] += 1
         self._shapes[index][key] += 1
         self._served[index] += 1
-        self._owner[req.request_id] = index
+        self._owner[req.rid] = index
         if req.stream_id is not None:
             previous = self._stream_owner.get(req.stream_id)
             if previous is not None and previous != index:
@@ -121,13 +121,13 @@ class DiffusionWorkerPool(DiffusionEngineClient):
             self._shapes[index][key] -= 1
             if not self._shapes[index][key]:
                 del self._shapes[index][key]
-            self._owner.pop(req.request_id, None)
+            self._owner.pop(req.rid, None)
 
-    async def cancel(self, request_id: str) -> bool:
-        index = self._owner.get(request_id)
+    async def cancel(self, rid: str) -> bool:
+        index = self._owner.get(rid)
         if index is None:
             return False
-        return await self.workers[index].cancel(request_id)
+        return await self.workers[index].cancel(rid)
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(w.shutdown() for w in self.workers), return_exceptions=True)

@@ -88,9 +88,9 @@ def test_batcher_groups_same_shape_up_to_max_and_waits_delay():
     a1, a2 = resolve(seed=1), resolve(seed=2)
     big = resolve(seed=3, width=32)  # another shape: never with the 64x64 ones
     a3 = resolve(seed=4, num_outputs=2)
-    object.__setattr__(a2, "request_id", "a2")
-    object.__setattr__(big, "request_id", "big")
-    object.__setattr__(a3, "request_id", "a3")
+    object.__setattr__(a2, "rid", "a2")
+    object.__setattr__(big, "rid", "big")
+    object.__setattr__(a3, "rid", "a3")
     b.add(resolve(seed=9, width=48), now=-0.05)  # a burst is under way
     assert len(b.pop_batch(now=-0.05)) == 1  # ...whose first request ran at once
     b.add(a1, now=0.0)
@@ -101,9 +101,9 @@ def test_batcher_groups_same_shape_up_to_max_and_waits_delay():
     assert b.pop_batch(now=0.05) == []  # not full (1 + 1 + 2 > 3 stops at a2), not due
     assert b.wait_time(now=0.05) == pytest.approx(0.05)
     batch = b.pop_batch(now=0.11)
-    assert [r.request_id for r in batch] == ["r", "a2"]
+    assert [r.rid for r in batch] == ["r", "a2"]
     b.check_integrity()
-    assert [r.request_id for r in b.pop_batch(now=0.2)] == ["big"]
+    assert [r.rid for r in b.pop_batch(now=0.2)] == ["big"]
     assert b.remove("a3") and not b.remove("a3")
     assert len(b) == 0 and b.wait_time() is None
 
@@ -119,7 +119,7 @@ def test_batcher_runs_a_lone_request_without_delay():
 def test_batcher_runs_full_batch_at_once():
     b = RequestBatcher(max_batch_size=2, delay_s=10.0)
     r1, r2 = resolve(seed=1), resolve(seed=2)
-    object.__setattr__(r2, "request_id", "r2")
+    object.__setattr__(r2, "rid", "r2")
     b.add(resolve(seed=3, width=32), now=-1.0)
     b.pop_batch(now=-1.0)
     b.add(r1, now=0.0)
@@ -132,7 +132,7 @@ def test_batcher_regroups_a_batch_once_with_newcomers():
     first, second, third = (resolve(seed=i) for i in range(3))
     other = resolve(seed=3, width=32)
     for req, rid in ((second, "second"), (third, "third"), (other, "other")):
-        object.__setattr__(req, "request_id", rid)
+        object.__setattr__(req, "rid", rid)
     b.add(first, now=0.0)
     assert b.pop_batch(now=0.0) == [first]  # lone: ran at once
     assert b.joinable() == 0
@@ -144,10 +144,10 @@ def test_batcher_regroups_a_batch_once_with_newcomers():
     b.requeue({"r"})
     b.check_integrity()
     # The regrouped request heads the queue and is due at once, with both newcomers.
-    assert [r.request_id for r in b.pop_batch(now=0.04)] == ["r", "second", "third"]
+    assert [r.rid for r in b.pop_batch(now=0.04)] == ["r", "second", "third"]
     b.add(resolve(seed=9), now=0.05)
     assert b.joinable() == 0  # full, and it was regrouped once already
-    assert [r.request_id for r in b.pop_batch(now=20.0)] == ["other"]
+    assert [r.rid for r in b.pop_batch(now=20.0)] == ["other"]
     assert b.joinable() == 0  # the queued one is another shape than "other"
     b.check_integrity()
 
@@ -162,7 +162,7 @@ def test_worker_regroup_forgets_a_member_cancelled_mid_run():
 
     a, b, c = (resolve(seed=i) for i in range(3))
     for req, rid in ((a, "a"), (b, "b"), (c, "c")):
-        object.__setattr__(req, "request_id", rid)
+        object.__setattr__(req, "rid", rid)
         object.__setattr__(req, "model", "img")
     inbox, outbox = queue.Queue(), queue.Queue()
 
@@ -170,7 +170,7 @@ def test_worker_regroup_forgets_a_member_cancelled_mid_run():
         calls: list[list[str]] = []
 
         def generate(self, batch, on_step):
-            self.calls.append([r.request_id for r in batch])
+            self.calls.append([r.rid for r in batch])
             for step in range(1, 9):
                 if step == 2 and len(self.calls) == 1:
                     inbox.put(WorkerCancel("a"))
@@ -191,10 +191,10 @@ def test_worker_regroup_forgets_a_member_cancelled_mid_run():
     worker.check_integrity()
     assert Model.calls == [["a", "b"], ["b", "c"]] and worker.reported == {}
     events = [outbox.get_nowait() for _ in range(outbox.qsize())]
-    steps_b = [e.step for e in events if e.request_id == "b" and hasattr(e, "step")]
+    steps_b = [e.step for e in events if e.rid == "b" and hasattr(e, "step")]
     assert steps_b == list(range(1, 9))  # step 1 once, then 2-8 from the regrouped batch
-    assert [type(e) for e in events if e.request_id == "a"][-1] is ErrorEvent
-    assert {e.request_id for e in events if isinstance(e, ResultEvent)} == {"b", "c"}
+    assert [type(e) for e in events if e.rid == "a"][-1] is ErrorEvent
+    assert {e.rid for e in events if isinstance(e, ResultEvent)} == {"b", "c"}
 
 
 def _output(frames: list, decision: StepDecision = StepDecision.CONTINUE):
@@ -217,7 +217,7 @@ def test_worker_regroups_at_step_0_only_to_fill_the_batch(max_batch, regroup_ste
 
     a, b = (resolve(seed=i) for i in range(2))
     for req, rid in ((a, "a"), (b, "b")):
-        object.__setattr__(req, "request_id", rid)
+        object.__setattr__(req, "rid", rid)
         object.__setattr__(req, "model", "img")
     inbox, outbox = queue.Queue(), queue.Queue()
 
@@ -226,7 +226,7 @@ def test_worker_regroups_at_step_0_only_to_fill_the_batch(max_batch, regroup_ste
 
         def generate(self, batch, on_step):
             done = []
-            self.calls.append(([r.request_id for r in batch], done))
+            self.calls.append(([r.rid for r in batch], done))
             if len(self.calls) == 1:
                 inbox.put(WorkerSubmit(b))  # arrives during the prompt encoding
             for step in range(0, 9):
@@ -247,9 +247,9 @@ def test_worker_regroups_at_step_0_only_to_fill_the_batch(max_batch, regroup_ste
     assert Model.calls[1] == (["a", "b"], list(range(9))) and worker.reported == {}
     events = [outbox.get_nowait() for _ in range(outbox.qsize())]
     for rid in "ab":
-        assert [e.step for e in events if e.request_id == rid and hasattr(e, "step")] == \
+        assert [e.step for e in events if e.rid == rid and hasattr(e, "step")] == \
             list(range(1, 9))
-    assert {e.request_id for e in events if isinstance(e, ResultEvent)} == {"a", "b"}
+    assert {e.rid for e in events if isinstance(e, ResultEvent)} == {"a", "b"}
 
 
 def test_output_store_caps_size_and_age(tmp_path, monkeypatch):

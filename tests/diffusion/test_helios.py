@@ -27,7 +27,7 @@ def model():
 def _req(rid: str, prompt: str, seed: int, frames: int = CHUNK, guidance: float = 1.0,
          stream_id: str | None = None, reset: bool = False) -> ResolvedRequest:
     return ResolvedRequest(
-        request_id=rid, model="tiny-helios", prompt=prompt, negative_prompt=None, width=64,
+        rid=rid, model="tiny-helios", prompt=prompt, negative_prompt=None, width=64,
         height=64, num_frames=frames, fps=8, num_inference_steps=2, guidance_scale=guidance,
         seeds=(seed,), step_cache=StepCacheConfig(), preview=False, preview_decode_every=0,
         init_image=None, strength=None, submitted_at=time.time(), stream_id=stream_id,

@@ -74,25 +74,25 @@ class FakeDiffusionClient(DiffusionEngineClient):
         try:
             spec = self.model_spec(req.model)
         except KeyError:
-            yield ErrorEvent(req.request_id, f"unknown model {req.model!r}", 404)
+            yield ErrorEvent(req.rid, f"unknown model {req.model!r}", 404)
             return
         try:
             r = resolve_request(req, spec, StepCacheConfig())
         except ValueError as exc:
-            yield ErrorEvent(req.request_id, str(exc), 400)
+            yield ErrorEvent(req.rid, str(exc), 400)
             return
         self.requests.append(req)
         if self.on_request is not None:
             self.on_request(req)
-        self.running.add(req.request_id)
+        self.running.add(req.rid)
         try:
             frames = fake_frames(r.seeds[0], r.num_frames, r.height, r.width)
             for step in range(1, r.num_inference_steps + 1):
                 await asyncio.sleep(self.step_delay_s)
-                if req.request_id in self.cancelled:
-                    yield ErrorEvent(req.request_id, "cancelled", 499)
+                if req.rid in self.cancelled:
+                    yield ErrorEvent(req.rid, "cancelled", 499)
                     return
-                self.steps_run[req.request_id] = step
+                self.steps_run[req.rid] = step
                 preview = None
                 if req.preview:
                     # Noisier early, converging on the final frames (half resolution).
@@ -100,18 +100,18 @@ class FakeDiffusionClient(DiffusionEngineClient):
                     w = step / r.num_inference_steps
                     mixed = (w * frames + (1 - w) * noise).astype(np.uint8)
                     preview = mixed[:, ::2, ::2]
-                yield StepEvent(req.request_id, step, r.num_inference_steps, preview)
-            self.finished.add(req.request_id)
-            yield ResultEvent(req.request_id, [frames], r.fps, 0, r.num_inference_steps,
+                yield StepEvent(req.rid, step, r.num_inference_steps, preview)
+            self.finished.add(req.rid)
+            yield ResultEvent(req.rid, [frames], r.fps, 0, r.num_inference_steps,
                               {"denoise": 1.0}, list(r.seeds))
         finally:
-            if req.request_id not in self.finished:
-                self.cancelled.add(req.request_id)  # closed early: the worker would stop here
-            self.running.discard(req.request_id)
+            if req.rid not in self.finished:
+                self.cancelled.add(req.rid)  # closed early: the worker would stop here
+            self.running.discard(req.rid)
 
-    async def cancel(self, request_id: str) -> bool:
-        if request_id in self.running:
-            self.cancelled.add(request_id)
+    async def cancel(self, rid: str) -> bool:
+        if rid in self.running:
+            self.cancelled.add(rid)
             return True
         return False
 

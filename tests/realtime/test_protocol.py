@@ -153,7 +153,7 @@ def test_stop_cancels_the_generation_and_frees_the_worker():
         out, again = asyncio.run(_stop_midway(base))
         serving.check_integrity()
     assert not out.finals
-    first_id = fake.requests[0].request_id
+    first_id = fake.requests[0].rid
     assert first_id in fake.cancelled and not fake.running
     # The engine stopped the run partway: the stop cancelled it, it did not run out.
     assert 2 <= fake.steps_run[first_id] < 60, fake.steps_run
@@ -203,7 +203,7 @@ def test_disconnect_cancels_the_generation():
         assert not fake.running and serving.active_sessions == 0
         serving.check_integrity()
     # It had started (the client saw a step) and was cancelled, not run out.
-    rid = fake.requests[0].request_id
+    rid = fake.requests[0].rid
     assert rid in fake.cancelled and 1 <= fake.steps_run[rid] < 60, fake.steps_run
 
 
@@ -307,4 +307,4 @@ def test_messages_out_of_turn_get_errors_without_ending_the_session():
     assert replies[3]["stopped"] is True
     # The stop ended a generation the engine had really been given (and the busy start never
     # reached it).
-    assert len(fake.requests) == 1 and fake.requests[0].request_id in fake.cancelled
+    assert len(fake.requests) == 1 and fake.requests[0].rid in fake.cancelled

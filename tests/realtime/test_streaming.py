@@ -69,7 +69,7 @@ def _reference(model, seed: int, prompts: list[str], scenes: list[int]) -> np.nd
         if chunk_scene != scene:
             stream, scene = model.new_stream(seed + chunk_scene, 64, 64), chunk_scene
         req = ResolvedRequest(
-            request_id=f"ref{k}", model="tiny-helios", prompt=prompt, negative_prompt=None,
+            rid=f"ref{k}", model="tiny-helios", prompt=prompt, negative_prompt=None,
             width=64, height=64, num_frames=CHUNK, fps=8, num_inference_steps=2,
             guidance_scale=1.0, seeds=(seed + chunk_scene,), step_cache=StepCacheConfig(),
             preview=False, preview_decode_every=0, init_image=None, strength=None,

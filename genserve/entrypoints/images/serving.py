@@ -99,7 +99,7 @@ class ImageServing:
                               param="n")
         width, height = parse_size_param(body.size)
         req = DiffusionRequest(
-            request_id=new_rid("img-"),
+            rid=new_rid("img-"),
             model=spec.name,
             prompt=body.prompt,
             negative_prompt=body.negative_prompt,

@@ -52,7 +52,7 @@ class ImageStream:
         try:
             first = await events.__anext__()
         except StopAsyncIteration:
-            first = ErrorEvent(self.run.req.request_id, "the diffusion engine ended the "
+            first = ErrorEvent(self.run.req.rid, "the diffusion engine ended the "
                                "request without a result", 503)
         if isinstance(first, ErrorEvent):
             await self.close()

@@ -61,7 +61,7 @@ class RealtimeSession:
         self._executor = executor
         self.sender = FrameSender(websocket.send_text, websocket.send_bytes, executor)
         self._generation: asyncio.Task[None] | None = None
-        self._request_id: str | None = None  # the engine request now running, if any
+        self._rid: str | None = None  # the engine request now running, if any
         self._prompt = ""  # the prompt of the next chunk (a "prompt" message replaces it)
         self._chunks_done = 0
         self._runs = 0  # start messages accepted so far
@@ -163,15 +163,15 @@ class RealtimeSession:
         self._generation = asyncio.create_task(self._generate(settings))
 
     async def _cancel_generation(self) -> None:
-        task, request_id = self._generation, self._request_id
+        task, rid = self._generation, self._rid
         if task is None or task.done():
             return
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        if request_id is not None:
+        if rid is not None:
             # Closing the stream already cancelled it; this is a no-op (False) then.
-            await self._client.cancel(request_id)
+            await self._client.cancel(rid)
 
     async def _generate(self, settings: SessionSettings) -> None:
         try:
@@ -193,7 +193,7 @@ class RealtimeSession:
             logger.exception("realtime session %s failed", self.session_id)
             self._error("internal_error", "The realtime session failed; see the server log.")
         finally:
-            self._request_id = None
+            self._rid = None
             if self._stream_id is not None:
                 # Stopped, finished or failed: the worker frees the stream's state. (The call
                 # does not suspend, so a cancellation cannot skip it.)
@@ -202,9 +202,9 @@ class RealtimeSession:
     async def _run_chunk(self, settings: SessionSettings, chunk: int) -> bool:
         """Generate one chunk and queue its frames; False if it ended in an error."""
         # Ids are unique per start: a stopped run's id may still be winding down in the engine.
-        request_id = f"rt-{self.session_id}-{self._runs}-{chunk}"
+        rid = f"rt-{self.session_id}-{self._runs}-{chunk}"
         reset = self._stream_id is not None and (chunk == 0 or self._reset_next)
-        req = settings.request(request_id, chunk, self._prompt, self._stream_id, self._scene,
+        req = settings.request(rid, chunk, self._prompt, self._stream_id, self._scene,
                                reset)
         self._reset_next = False
         try:
@@ -212,7 +212,7 @@ class RealtimeSession:
         except APIError as exc:  # the queue is full or the worker is down
             self._error(ERROR_CODE_BY_STATUS.get(exc.status_code, "internal_error"), exc.message)
             return False
-        self._request_id = req.request_id
+        self._rid = req.rid
         started = time.monotonic()
         first_preview_ms: float | None = None
         fmt, quality = settings.preview_format, settings.preview_quality
@@ -230,7 +230,7 @@ class RealtimeSession:
                             chunk, event.step, 0,
                         ))
                 elif isinstance(event, ResultEvent):
-                    self._request_id = None
+                    self._rid = None
                     stats: dict[str, Any] = {
                         "generate_ms": _ms(started),
                         "first_preview_ms": first_preview_ms,
@@ -245,7 +245,7 @@ class RealtimeSession:
                     await self._queue_finals(settings, chunk, event, stats)
                     return True
                 elif isinstance(event, ErrorEvent):
-                    self._request_id = None
+                    self._rid = None
                     code = ERROR_CODE_BY_STATUS.get(event.status, "internal_error")
                     self._error(code, event.message)
                     return False

@@ -48,13 +48,13 @@ class SessionSettings:
     strength: float | None = None
     streaming: bool = False  # the model continues one video chunk after chunk
 
-    def request(self, request_id: str, chunk: int, prompt: str, stream_id: str | None = None,
+    def request(self, rid: str, chunk: int, prompt: str, stream_id: str | None = None,
                 scene: int = 0, reset: bool = False) -> DiffusionRequest:
         """The diffusion request of chunk `chunk` (previews on). On a streaming model, the
         next chunk of stream `stream_id`, `reset` when it starts scene `scene`."""
         seed = (self.seed + (scene if stream_id is not None else chunk)) % (MAX_SEED - 8)
         return DiffusionRequest(
-            request_id=request_id,
+            rid=rid,
             model=self.model,
             prompt=prompt,
             negative_prompt=self.negative_prompt,
@@ -117,7 +117,7 @@ def resolve_settings(client: DiffusionEngineClient, msg: StartMessage) -> Sessio
             raise ProtocolError("invalid_request", "images.0 could not be decoded as an image "
                                 "(PNG, JPEG or WebP).") from None
     draft = DiffusionRequest(
-        request_id="realtime-check",
+        rid="realtime-check",
         model=model,
         prompt=msg.prompt,
         negative_prompt=msg.negative_prompt,

@@ -87,7 +87,7 @@ class VideoServing:
         seed = body.seed if body.seed is not None else random.randrange(MAX_SEED - MAX_OUTPUTS)
         job_id = new_rid("video_")
         req = DiffusionRequest(
-            request_id=job_id, model=spec.name, prompt=body.prompt,
+            rid=job_id, model=spec.name, prompt=body.prompt,
             negative_prompt=body.negative_prompt, width=width, height=height,
             num_frames=num_frames, fps=fps, num_inference_steps=body.num_inference_steps,
             guidance_scale=body.guidance_scale, seed=seed,
