@@ -127,6 +127,9 @@ def run(engines: dict, prompts: list[list[int]], params: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--draft-tokens", type=int, default=None)
+    ap.add_argument("--min-window", type=int, default=None,
+                    help="--speculative-ngram-min-match-window-size (default: the runtime's)")
+    ap.add_argument("--sets", default="grounded,free", help="which workloads to run")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--dtype", default="auto",
@@ -142,10 +145,14 @@ def main() -> None:
     spec_kw = {"speculative_algorithm": "ngram"}
     if args.draft_tokens:
         spec_kw["speculative_num_draft_tokens"] = args.draft_tokens
+    if args.min_window:
+        spec_kw["speculative_ngram_min_match_window_size"] = args.min_window
+        spec_kw["speculative_ngram_max_match_window_size"] = max(6, args.min_window)
     engines = {"plain": Engine(None, **common), "ngram": Engine(None, **common, **spec_kw)}
     tok = engines["plain"].tokenizer
     params = {"max_new_tokens": args.max_tokens, "temperature": 0}
     sets = {"grounded": grounded_prompts(), "free": FREE * 2}
+    sets = {k: v for k, v in sets.items() if k in args.sets.split(",")}
     summary: dict = {"quantization": engines["plain"].server_info().get("quantization"),
                      "compile": engines["plain"].server_info().get("compile")}
     for label, texts in sets.items():
