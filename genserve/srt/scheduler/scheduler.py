@@ -14,20 +14,18 @@ from typing import Any
 import torch
 
 from genserve.srt.constrained import create_grammar_backend
-from genserve.srt.constrained.jump_forward import jump_forward
 from genserve.srt.forward_batch import ForwardMode
 from genserve.srt.mem_cache import create_prefix_cache
 from genserve.srt.messages import ReqOutput, TokenizedGenerateReq
 from genserve.srt.model_runner import ModelRunner
 from genserve.srt.multimodal.runtime import create_multimodal_runtime
-from genserve.srt.sampling import Sampler, SamplingBatchInfo
+from genserve.srt.sampling import Sampler
 from genserve.srt.scheduler.admission import AdmissionLimits, admission_error
 from genserve.srt.scheduler.batch import ExtendBatch
-from genserve.srt.scheduler.grammar_queue import GrammarQueue, apply_grammar_masks
+from genserve.srt.scheduler.grammar_queue import GrammarQueue
 from genserve.srt.scheduler.input_logprobs import (
     plan_scored_rows,
     score_prompt_rows,
-    score_token_ids,
 )
 from genserve.srt.scheduler.introspection import (
     check_scheduler_integrity,
@@ -37,6 +35,7 @@ from genserve.srt.scheduler.introspection import (
 from genserve.srt.scheduler.kv_ownership import insert_prefix, release_req
 from genserve.srt.scheduler.policy import create_policy
 from genserve.srt.scheduler.req import Req
+from genserve.srt.scheduler.sample_step import sample_step
 from genserve.srt.scheduler.speculative import NgramSpeculation, run_speculative_decode
 from genserve.srt.server_args import EngineArgs
 
@@ -351,7 +350,8 @@ class Scheduler:
         if not done:
             return
         rows = [batch[i] for i in done]
-        self._sample([row.req for row in rows], logits[done] if len(done) < len(batch) else logits)
+        sample_step(self, [row.req for row in rows],
+                    logits[done] if len(done) < len(batch) else logits)
         for row in rows:
             req = row.req
             if row.decoding:  # a running request that decoded along
@@ -413,9 +413,14 @@ class Scheduler:
         self.stats["decode_steps"] += 1
         for req in reqs:
             req.kv_len += 1
-        self._sample(reqs, logits)
+        sample_step(self, reqs, logits)
         if self.spec is not None:  # what a plain step costs, against which drafts are priced
             self.spec.cost.record_decode(time.perf_counter() - started)
+        self._end_decode_step(reqs, outputs)
+
+    def _end_decode_step(self, reqs: list[Req], outputs: list[ReqOutput]) -> None:
+        """After a decode step of `reqs` (the running requests): finished ones end, the others
+        stay running and stream what they appended."""
         still = []
         for req in reqs:
             if req.finished:
@@ -425,41 +430,6 @@ class Scheduler:
                 if req.stream:
                     outputs.append(req.make_output())
         self.running = still
-
-    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        info = SamplingBatchInfo.build(
-            [r.params for r in reqs],
-            [r.generator for r in reqs],
-            [r.origin_input_ids for r in reqs],
-            [r.output_ids for r in reqs],
-            self.eos_ids,
-            self.vocab_size,
-            self.device,
-        )
-        if self.grammar is not None:
-            apply_grammar_masks(reqs, info, self.grammar, self.device)
-        want_lp = any(r.return_logprob for r in reqs)
-        top_k = max(r.top_logprobs_num for r in reqs)
-        out = self.sampler.sample(logits, info, top_logprobs_num=top_k, return_logprob=want_lp)
-        score_token_ids(reqs, logits)
-        ids = out.next_token_ids.tolist()
-        lps = out.logprobs.tolist() if out.logprobs is not None else None
-        top_v = out.top_logprobs_values.tolist() if out.top_logprobs_values is not None else None
-        top_i = out.top_logprobs_ids.tolist() if out.top_logprobs_ids is not None else None
-        for i, req in enumerate(reqs):
-            top = None
-            if top_v is not None and top_i is not None and req.top_logprobs_num > 0:
-                k = req.top_logprobs_num
-                top = list(zip(top_v[i][:k], top_i[i][:k]))
-            lp = lps[i] if lps is not None and req.return_logprob else None
-            req.append_token(ids[i], self.eos_ids, self.context_length, lp, top)
-            if req.grammar is not None:
-                req.advance_grammar(ids[i])
-                if self.args.jump_forward and not req.finished:
-                    self.stats["jump_forward_tokens"] += jump_forward(
-                        req, self.tokenizer, self.eos_ids, self.context_length
-                    )
-        self.stats["generated_tokens"] += len(reqs)
 
     # ---- KV ownership (the mechanics are in kv_ownership.py) --------------------------------
 

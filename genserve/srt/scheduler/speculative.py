@@ -16,6 +16,7 @@ import torch
 
 from genserve.srt.forward_batch import ForwardMode
 from genserve.srt.messages import ReqOutput
+from genserve.srt.scheduler.sample_step import sample_step
 from genserve.srt.server_args import EngineArgs
 from genserve.srt.speculative import NgramProposer, can_speculate, verify_draft
 from genserve.srt.speculative.ngram import ForwardCost, NgramState
@@ -119,15 +120,7 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
             s.stats["generated_tokens"] += appended
         start += n
     if plain:
-        s._sample(plain, logits[plain_rows])
+        sample_step(s, plain, logits[plain_rows])
     s.spec.cost.record_verify(time.perf_counter() - started, need - len(reqs))
-    still = []
-    for req in reqs:
-        if req.finished:
-            s._finish(req, outputs)
-        else:
-            still.append(req)
-            if req.stream:
-                outputs.append(req.make_output())
-    s.running = still
+    s._end_decode_step(reqs, outputs)
     return True
