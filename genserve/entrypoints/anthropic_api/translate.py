@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import ValidationError
-
 from genserve.entrypoints.errors import bad_request
-from genserve.entrypoints.openai_api.protocol import ChatCompletionRequest
+from genserve.entrypoints.openai_api.protocol import ChatCompletionRequest, chat_request_from
 
 from .protocol import (
     CountTokensRequest,
@@ -126,9 +124,4 @@ def to_chat(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest
         if fmt is not None:
             fields["response_format"] = {"type": "json_schema",
                                          "json_schema": {"name": "output", "schema": fmt.schema_}}
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise bad_request(f"Invalid request ({where}): {first.get('msg', 'invalid')}.") from None
+    return chat_request_from(fields)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
+from genserve.entrypoints.errors import bad_request
 from genserve.entrypoints.lenient import LenientModel
 
 
@@ -128,3 +129,14 @@ class ChatCompletionRequest(SamplingFields):
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # extension: continue the last message when False
+
+
+def chat_request_from(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat request translated from another API's shape (Anthropic, Responses); its first
+    validation problem is a 400 naming where it is."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise bad_request(f"Invalid request ({where}): {first.get('msg', 'invalid')}.") from None

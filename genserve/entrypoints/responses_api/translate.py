@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from genserve.entrypoints.errors import bad_request
-from genserve.entrypoints.openai_api.protocol import ChatCompletionRequest
+from genserve.entrypoints.openai_api.protocol import ChatCompletionRequest, chat_request_from
 
 from .protocol import (
     FunctionCallItem,
@@ -172,9 +172,4 @@ def to_chat(body: ResponsesRequest, history: list[dict[str, Any]],
         "max_tokens": body.max_output_tokens, "temperature": body.temperature,
         "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stream": body.stream,
         "response_format": _response_format(body)}
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise bad_request(f"Invalid request ({where}): {first.get('msg', 'invalid')}.") from None
+    return chat_request_from(fields)
