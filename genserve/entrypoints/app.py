@@ -7,12 +7,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from genserve import __version__
 from genserve.entrypoints.anthropic_api.router import build_router as build_anthropic_router
 from genserve.entrypoints.config import GatewayConfig
+from genserve.entrypoints.content_types import require_declared_body_type
 from genserve.entrypoints.errors import install_error_handlers
 from genserve.entrypoints.images.router import build_router as build_images_router
 from genserve.entrypoints.middleware import (
@@ -60,8 +61,9 @@ def create_app(
         finally:
             await state.close()
 
+    # Every route's declared body is checked for its Content-Type (415 otherwise).
     app = FastAPI(title="genserve", version=__version__, docs_url="/docs", redoc_url=None,
-                  lifespan=lifespan)
+                  lifespan=lifespan, dependencies=[Depends(require_declared_body_type)])
     app.state.gateway = state
     install_error_handlers(app)
     for router in _routers(state):

@@ -26,6 +26,7 @@ _TYPE_BY_STATUS = {
     405: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -110,9 +111,9 @@ def payload_too_large(limit: int) -> APIError:
                     "invalid_request_error", None, "request_too_large")
 
 
-def unsupported_media_type(content_type: str) -> APIError:
-    return APIError(415, f"Content-Type {content_type or '(none)'!r} is not accepted: send "
-                    "application/json (or multipart/form-data where the endpoint takes files).",
+def unsupported_media_type(content_type: str | None, accepted: str) -> APIError:
+    sent = f"Content-Type {content_type!r}" if content_type else "A body without a Content-Type"
+    return APIError(415, f"{sent} is not accepted here: send the body as {accepted}.",
                     "invalid_request_error", None, "unsupported_media_type")
 
 

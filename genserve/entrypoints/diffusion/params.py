@@ -13,7 +13,8 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from genserve.entrypoints.errors import bad_request, unsupported_media_type
+from genserve.entrypoints.content_types import FORM, JSON, require_media_type
+from genserve.entrypoints.errors import bad_request
 from genserve.multimodal_gen.messages import StepCacheConfig
 
 
@@ -97,7 +98,9 @@ async def read_form(request: Request, model: type[BaseModel], file_fields: tuple
                     ) -> tuple[BaseModel, dict[str, list[bytes]]]:
     """Parse a multipart (or urlencoded) form into `model` plus the raw bytes of file fields,
     in upload order (`image` and `image[]` are one field). Only the fields of `multi_files` may
-    come more than once. Bad fields become the usual 400 envelope."""
+    come more than once. Bad fields become the usual 400 envelope; a body that is not a form
+    gets 415."""
+    require_media_type(request, FORM)
     try:
         form = await request.form()
     except Exception as exc:  # malformed multipart body
@@ -133,13 +136,9 @@ async def read_json_or_form(request: Request, model: type[BaseModel],
                             file_fields: tuple[str, ...] = ()
                             ) -> tuple[BaseModel, dict[str, list[bytes]]]:
     """JSON bodies and multipart forms (the openai client sends /v1/videos as multipart); any
-    other content type is refused with 415, as the JSON-only endpoints refuse it."""
-    content_type = request.headers.get("content-type", "")
-    if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+    other content type is refused with 415 (see `content_types`)."""
+    if require_media_type(request, JSON, FORM) == FORM:
         return await read_form(request, model, file_fields)
-    media_type = content_type.split(";", 1)[0].strip().lower()
-    if media_type != "application/json" and not media_type.endswith("+json"):
-        raise unsupported_media_type(content_type)
     try:
         data = json.loads(await request.body() or b"null")
     except ValueError as exc:
