@@ -122,7 +122,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                                    "argument both embedded defaults are served.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=None, help="Require this key (Bearer or x-api-key).")
+    p.add_argument("--api-key", default=None,
+                   help="Require this key (Bearer or x-api-key) on every route but /health, "
+                        "/metrics and the web UI's page and files under /ui/.")
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="Allow this browser origin (repeatable; CORS is off by default). "
                         "WebSockets from pages of other origins than the server's own are "

@@ -13,8 +13,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from genserve.entrypoints.errors import APIError, payload_too_large, unauthorized
 
-# Paths that stay open when an API key is set: probes (load balancers, Prometheus) and the web
-# UI's static files, which hold no secrets and which a browser cannot fetch with a header.
+# The only paths that stay open when an API key is set: probes (load balancers, Prometheus) and
+# the web UI's static files, which hold no secrets and which a browser cannot fetch with a
+# header. Documented in `--api-key`'s help; test_security_real_server pins the open routes.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/"})
 OPEN_PREFIXES = ("/ui/",)
 _DEFAULT_PORTS = {"http": 80, "https": 443}

@@ -9,11 +9,10 @@ resolves to a loopback address is never fetched (a real local HTTP server counts
 from __future__ import annotations
 
 import asyncio
-import re
+import http.client
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 import httpx
 import pytest
@@ -21,12 +20,9 @@ from starlette.routing import Route, WebSocketRoute
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from genserve.entrypoints.app import create_app
 from genserve.entrypoints.config import GatewayConfig
-from genserve.entrypoints.middleware import OPEN_PATHS, OPEN_PREFIXES
-from tests.entrypoints.gateway_fakes import FakeEngine
+from tests.entrypoints.route_table import app_routes, concrete, full_app, takes_body
 from tests.needs import smollm2_folder
-from tests.realtime.fake_diffusion import FakeDiffusionClient
 from tests.serve_process import serve_subprocess
 from tests.srt.vlm_models import png_bytes
 
@@ -35,35 +31,10 @@ pytestmark = pytest.mark.slow
 GGUF = smollm2_folder(module_level=True) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 KEY = "s3cret-key"
 ALLOWED_ORIGIN = "https://ui.example.com"
-# Routes that read their body themselves (JSON or a multipart form) instead of declaring it.
-READ_THEIR_BODY = {"/v1/videos", "/v1/images/edits"}
-
-
-def app_routes() -> list[Route | WebSocketRoute]:
-    """The route table of the app `genserve serve` builds for an LLM and a diffusion model (the
-    same factory; the clients are stand-ins that serve nothing here). Included routers are
-    walked into (FastAPI keeps them as one entry each); none of genserve's has a prefix."""
-    app = create_app(GatewayConfig(api_key=KEY), [FakeEngine()], FakeDiffusionClient())
-
-    def walk(routes: list[Any]) -> Iterator[Route | WebSocketRoute]:
-        for route in routes:
-            inner = getattr(route, "original_router", None)
-            if inner is not None:
-                assert not getattr(route.include_context, "prefix", ""), route
-                yield from walk(inner.routes)
-            elif isinstance(route, Route | WebSocketRoute):
-                yield route
-
-    return list(walk(app.routes))
-
-
-def concrete(path: str) -> str:
-    """The route's path with each {parameter} filled in ("x" matches no job or file)."""
-    return re.sub(r"{[^}]+}", "x", path)
-
-
-def is_open(path: str) -> bool:
-    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+# The routes that answer without the key: probes and the web UI's page and static files (see
+# OPEN_PATHS in genserve/entrypoints/middleware.py and `genserve serve --help`). Widening the
+# product's allow-list, or adding a route under an open prefix, fails the sweep below.
+PUBLIC_ROUTES = {"/health", "/metrics", "/", "/ui/{name}"}
 
 
 class CountingImageServer:
@@ -118,19 +89,27 @@ def server():
 
 
 def test_the_route_table_is_the_one_served(server):
+    """The table the tests walk is the served one: the same OpenAPI paths and methods (every
+    HTTP route but the web UI's, which are out of the schema), and the WebSocket is there."""
     routes = app_routes()
     assert any(isinstance(r, WebSocketRoute) for r in routes)
-    schema = httpx.get(server + "/openapi.json", headers={"x-api-key": KEY}, timeout=30).json()
+    served = httpx.get(server + "/openapi.json", headers={"x-api-key": KEY}, timeout=30).json()
+    built = full_app(GatewayConfig(api_key=KEY)).openapi()
+
+    def operations(schema: dict) -> set[tuple[str, str]]:
+        return {(path, method) for path, ops in schema["paths"].items() for method in ops}
+
+    assert operations(served) == operations(built)
     http_paths = {r.path for r in routes if isinstance(r, Route)}
-    assert set(schema["paths"]) <= http_paths
+    assert set(served["paths"]) <= http_paths
     assert {"/generate", "/v1/chat/completions", "/v1/images/generations", "/v1/videos",
-            "/health", "/metrics"} <= http_paths
+            "/v1/messages", "/api/chat", "/v1/responses", "/health", "/metrics"} <= http_paths
 
 
 def test_every_http_route_needs_the_key(server):
     keys = {"none": {}, "wrong": {"Authorization": "Bearer wrong"},
             "right": {"Authorization": f"Bearer {KEY}"}}
-    seen = 0
+    seen, public = 0, set()
     with httpx.Client(base_url=server, timeout=120) as http:
         for route in app_routes():
             if not isinstance(route, Route):
@@ -144,14 +123,34 @@ def test_every_http_route_needs_the_key(server):
                 }
                 where = f"{method} {route.path}: {statuses}"
                 seen += 1
-                if is_open(route.path):
+                if statuses["none"] != 401:
+                    public.add(route.path)
                     assert 401 not in statuses.values(), where
                     continue
-                assert statuses["none"] == 401 and statuses["wrong"] == 401, where
+                assert statuses["wrong"] == 401, where
                 # With the key the request reaches its endpoint: no 401, and no crash either
                 # (empty bodies and unknown ids are the client's errors).
                 assert statuses["right"] != 401 and statuses["right"] < 500, where
-    assert seen >= 20
+    assert public == PUBLIC_ROUTES
+    assert seen >= 40
+
+
+def test_open_paths_do_not_lead_elsewhere(server):
+    """Paths that start like an open one but name an API route (dot segments, encoded
+    slashes, doubled slashes) never reach it without the key. Sent raw: httpx would
+    normalise them."""
+    host, port = server.removeprefix("http://").split(":")
+    for raw in ("/ui/../v1/models", "/ui/%2e%2e/v1/models", "/ui/..%2fv1%2fmodels",
+                "/health/../v1/models", "//v1/models", "/metrics/../get_server_info"):
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            conn.request("GET", raw)
+            r = conn.getresponse()
+            text = r.read().decode(errors="replace")
+        finally:
+            conn.close()
+        assert r.status in (401, 404), (raw, r.status, text[:200])
+        assert '"data"' not in text and "model_path" not in text, raw
 
 
 def _ws(url: str, path: str, **headers: str):
@@ -194,21 +193,19 @@ def test_json_endpoints_refuse_other_content_types(server):
     text = {"Content-Type": "text/plain"}
     with httpx.Client(base_url=server, timeout=120,
                       headers={"Authorization": f"Bearer {KEY}"}) as http:
-        # Every route that takes a body (a POST without one, like /flush_cache, ignores it).
-        posts = [r for r in app_routes() if isinstance(r, Route) and "POST" in r.methods
-                 and (getattr(r, "body_field", None) is not None or r.path in READ_THEIR_BODY)]
-        assert posts
+        posts = [r for r in app_routes() if isinstance(r, Route) and takes_body(r)]
+        assert len(posts) >= 15
         for route in posts:
             r = http.post(concrete(route.path), content=b'{"model": "x", "prompt": "a cat"}',
                           headers=text)
-            assert r.status_code in (400, 415), (route.path, r.status_code, r.text)
+            assert r.status_code == 415, (route.path, r.status_code, r.text)
             body = r.json()
             if route.path.startswith("/v1/messages"):  # Anthropic's envelope
                 assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
             elif route.path.startswith("/api/"):  # Ollama's
                 assert set(body) == {"error"} and isinstance(body["error"], str), route.path
             else:
-                assert set(body["error"]) == {"message", "type", "param", "code"}, route.path
+                assert body["error"]["code"] == "unsupported_media_type", route.path
         # A body that is a valid video job in JSON is still refused as text/plain.
         job = b'{"prompt": "a cat", "size": "16x16", "num_frames": 2, "num_inference_steps": 1}'
         r = http.post("/v1/videos", content=job, headers=text)
@@ -240,16 +237,28 @@ def test_image_urls_to_loopback_are_never_fetched(server, image_server):
     assert image_server.connections == before
 
 
+# Loopback written every way a resolver accepts it, then private, link-local (cloud metadata),
+# shared (CGNAT), unspecified and unique-local addresses.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "127.1", "2130706433", "0x7f000001",
+                  "[::ffff:127.0.0.1]", "0.0.0.0")
+NON_PUBLIC_HOSTS = ("10.0.0.1", "192.168.1.1", "172.16.0.1", "169.254.169.254", "100.64.0.1",
+                    "[fd00::1]", "[::1]")
+
+
 def test_fetcher_with_real_dns_and_transport_never_contacts_loopback(image_server):
+    """The fetcher as the gateway runs it (the system resolver, a real transport), allowed to
+    fetch from any host: every loopback spelling of the counting server's address, and every
+    non-public address, is refused before a connection is made."""
     from genserve.srt.multimodal.image_source import (
         ImageFetchPolicy,
         ImageInputError,
         load_image_bytes,
     )
 
+    assert image_server.probe().startswith(b"\x89PNG")
     before = image_server.connections
-    policy = ImageFetchPolicy(allowed_domains=("*",))
-    for host in ("localhost", "127.0.0.1", "[::ffff:127.0.0.1]", "0.0.0.0"):
-        with pytest.raises(ImageInputError, match="non-public address"):
+    policy = ImageFetchPolicy(allowed_domains=("*",), timeout_s=30)
+    for host in LOOPBACK_HOSTS + NON_PUBLIC_HOSTS:
+        with pytest.raises(ImageInputError, match="resolves to a non-public address"):
             asyncio.run(load_image_bytes(f"http://{host}:{image_server.port}/cat.png", policy))
     assert image_server.connections == before
