@@ -308,3 +308,31 @@ def test_messages_out_of_turn_get_errors_without_ending_the_session():
     # The stop ended a generation the engine had really been given (and the busy start never
     # reached it).
     assert len(fake.requests) == 1 and fake.requests[0].rid in fake.cancelled
+
+
+async def _one_session(base: str, origin: str | None) -> str:
+    """Start a 2-step session with this Origin header (None: a client that is no browser);
+    the type of the last message, or the HTTP status the handshake was refused with."""
+    headers = {} if origin is None else {"Origin": origin}
+    try:
+        async with websockets.connect(ws_url(base), additional_headers=headers) as ws:
+            await ws.send(json.dumps({"type": "start", **_start(num_inference_steps=2)}))
+            return (await receive_until(ws, Received(), {"done", "error"}, 30))["type"]
+    except websockets.InvalidStatus as refused:
+        return str(refused.response.status_code)
+
+
+def test_key_less_server_refuses_pages_of_other_origins():
+    """Without --api-key nothing but the Origin check stops a web page from driving the model
+    (browsers open WebSockets to any host without asking it): pages of other origins get 403
+    before any work starts; clients that send no Origin, and the server's own page, work."""
+    fake = FakeDiffusionClient()
+    with realtime_server(fake) as (base, _):
+        own = base.removeprefix("http://")
+        for origin in ("http://evil.example", f"http://{own.split(':')[0]}:1", "null",
+                       f"http://localhost:{own.split(':')[1]}"):
+            assert asyncio.run(_one_session(base, origin)) == "403", origin
+        assert fake.requests == []
+        for origin in (None, f"http://{own}"):
+            assert asyncio.run(_one_session(base, origin)) == "done", origin
+        assert len(fake.requests) == 2
