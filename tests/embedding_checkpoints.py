@@ -13,21 +13,22 @@ WORDS = ("the cat dog sat on mat a red blue green big small house car tree sky s
          "model embed search query document hello world fast slow").split()
 
 
-def _bert_vocab(folder: Path) -> Path:
+def _bert_tokenizer() -> object:
+    from transformers import BertTokenizerFast
+
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS,
              *"abcdefghijklmnopqrstuvwxyz"]
-    path = folder / "vocab.txt"
-    path.write_text("\n".join(vocab) + "\n")
-    return path
+    return BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)})
 
 
-def _bert_config(num_labels: int | None = None, hidden: int = 32, layers: int = 2) -> object:
+def _bert_config(num_labels: int | None = None, hidden: int = 32, layers: int = 2,
+                 init: float = 0.2) -> object:
     from transformers import BertConfig
 
     extra = {} if num_labels is None else {"num_labels": num_labels}
     return BertConfig(vocab_size=len(WORDS) + 31, hidden_size=hidden, num_hidden_layers=layers,
                       num_attention_heads=2, intermediate_size=2 * hidden,
-                      max_position_embeddings=64, initializer_range=0.2, **extra)
+                      max_position_embeddings=64, initializer_range=init, **extra)
 
 
 def write_bert_embedder(folder: Path, pooling: str = "mean", normalize: bool = True,
@@ -37,12 +38,12 @@ def write_bert_embedder(folder: Path, pooling: str = "mean", normalize: bool = T
     import torch
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
-    from transformers import BertModel, BertTokenizerFast
+    from transformers import BertModel
 
     torch.manual_seed(seed)
     raw = folder.parent / f"{folder.name}-raw"
     raw.mkdir(parents=True, exist_ok=True)
-    BertTokenizerFast(vocab_file=str(_bert_vocab(raw))).save_pretrained(raw)
+    _bert_tokenizer().save_pretrained(raw)
     BertModel(_bert_config(hidden=hidden, layers=layers)).save_pretrained(raw)
     first = Transformer(str(raw))
     modules = [first, Pooling(first.get_embedding_dimension(), pooling)]
@@ -58,12 +59,12 @@ def write_bert_reranker(folder: Path, seed: int = 0) -> Path:
     """A BERT cross-encoder (one label, sigmoid scores as sentence-transformers applies)."""
     import torch
     from sentence_transformers import CrossEncoder
-    from transformers import BertForSequenceClassification, BertTokenizerFast
+    from transformers import BertForSequenceClassification
 
     torch.manual_seed(seed)
     raw = folder.parent / f"{folder.name}-raw"
     raw.mkdir(parents=True, exist_ok=True)
-    BertTokenizerFast(vocab_file=str(_bert_vocab(raw))).save_pretrained(raw)
+    _bert_tokenizer().save_pretrained(raw)
     BertForSequenceClassification(_bert_config(num_labels=1)).save_pretrained(raw)
     CrossEncoder(str(raw)).save(str(folder))
     return folder
