@@ -212,10 +212,7 @@ class AsyncEngine(LLMEngineClient):
         self._bind_loop()
         if self._dead:
             raise EngineDeadError(self._dead)
-        if self.task != "generate":
-            raise ValueError(f"model {self.model_name!r} is an {self.task} model: it serves "
-                             f"/v1/{'embeddings' if self.task == 'embed' else 'rerank'}, "
-                             "not generation")
+        self._check_generates()
         params = SamplingParams.from_dict(req.sampling_params, self.generation_defaults)
         if params.n != 1:
             raise ValueError("this client serves n == 1; submit one request per choice")
@@ -273,6 +270,14 @@ class AsyncEngine(LLMEngineClient):
             self._states.pop(tok_req.rid, None)
             if not finished and link is self._link and not self._dead:
                 link.outbox.put(AbortReq(tok_req.rid))
+
+    def _check_generates(self) -> None:
+        """ValueError (a 400) naming what an embedder or reranker serves instead."""
+        if self.task != "generate":
+            kind = "an embedding" if self.task == "embed" else "a reranker"
+            route = "/v1/embeddings" if self.task == "embed" else "/v1/rerank"
+            raise ValueError(f"model {self.model_name!r} is {kind} model: it serves {route}, "
+                             "not chat or text generation")
 
     async def embed(self, req: EmbedRequest) -> EmbedOutput:
         self._bind_loop()
@@ -393,6 +398,7 @@ class AsyncEngine(LLMEngineClient):
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        self._check_generates()
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
         kwargs: dict[str, Any] = {"tools": tools} if tools else {}
