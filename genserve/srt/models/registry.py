@@ -70,8 +70,8 @@ ENCODERS: dict[str, str] = {
 
 
 def supported_architectures() -> list[str]:
-    """Sorted HF architecture names genserve can serve."""
-    return sorted([*_MODELS, *ENCODERS])
+    """Sorted HF architecture names of the registry decoders (the paged runtime's families)."""
+    return sorted(_MODELS)
 
 
 def is_bare_decoder(architecture: str) -> bool:
@@ -81,7 +81,8 @@ def is_bare_decoder(architecture: str) -> bool:
 
 def unsupported_message(found: object) -> str:
     return (
-        f"unsupported architecture {found}; genserve serves {', '.join(supported_architectures())}"
+        f"unsupported architecture {found}; genserve serves "
+        f"{', '.join(supported_architectures())} and the encoders {', '.join(sorted(ENCODERS))}"
     )
 
 
