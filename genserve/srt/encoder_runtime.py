@@ -29,6 +29,9 @@ from genserve.srt.tokenizer_manager import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
+# A step picks its batch among the oldest _WINDOW_BATCHES * max_running_requests requests.
+_WINDOW_BATCHES = 4
+
 
 def encoder_context_length(hf: dict[str, Any], spec: PoolingSpec, tokenizer: Any,
                            requested: int | None) -> int:
@@ -106,7 +109,7 @@ class _Pending:
 
 class EncoderScheduler:
     """Queues pooling requests and runs them in padded batches: each `step()` takes queued
-    requests in arrival order up to `max_running_requests` and a padded-token budget of
+    requests (`_take_batch`) up to `max_running_requests` and a padded-token budget of
     `chunked_prefill_size` (always at least one), runs one forward and finishes them all."""
 
     def __init__(self, args: EngineArgs, model: EncoderModel, context_length: int,
@@ -152,16 +155,21 @@ class EncoderScheduler:
         return bool(self.waiting)
 
     def _take_batch(self) -> list[_Pending]:
+        """The next batch: of the oldest requests (a window of a few batches, so that none
+        waits long), those of similar length together, to pad as little as possible."""
+        window = sorted(self.waiting[: _WINDOW_BATCHES * self.args.max_running_requests],
+                        key=lambda p: len(p.msg.input_ids))
         batch: list[_Pending] = []
         width = 0
-        for item in self.waiting:
+        for item in window:
             w = max(width, len(item.msg.input_ids))
             if batch and (len(batch) >= self.args.max_running_requests
                           or w * (len(batch) + 1) > self.args.chunked_prefill_size):
                 break
             batch.append(item)
             width = w
-        self.waiting = self.waiting[len(batch):]
+        taken = {id(p) for p in batch}
+        self.waiting = [p for p in self.waiting if id(p) not in taken]
         return batch
 
     def step(self) -> list[ReqOutput]:

@@ -12,7 +12,6 @@ from genserve.srt.tokenizer_manager import (
     expand_n,
     make_pooling_req,
     make_tokenized_req,
-    tokenize_for_embedding,
     tokenize_pair,
     tokenize_prompt,
 )
@@ -181,7 +180,10 @@ class Engine:
         if texts is not None:
             prefix = spec.prompt_text(prompt_name, prompt)
             items = [texts] if isinstance(texts, str) else list(texts)
-            input_ids = [tokenize_for_embedding(self.tokenizer, t, prefix) for t in items]
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass input_ids")
+            # One batched call (the fast tokenizer's own threads), as sentence-transformers does.
+            input_ids = [list(x) for x in self.tokenizer([prefix + t for t in items])["input_ids"]]
         hidden = int(self.model_info().get("hidden_size") or 0)
         spec.check_dimensions(dimensions, hidden)
         assert input_ids is not None
