@@ -14,6 +14,7 @@ from genserve import __version__
 from genserve.entrypoints.anthropic_api.router import build_router as build_anthropic_router
 from genserve.entrypoints.config import GatewayConfig
 from genserve.entrypoints.content_types import require_declared_body_type
+from genserve.entrypoints.embeddings_api.router import build_router as build_embeddings_router
 from genserve.entrypoints.errors import install_error_handlers
 from genserve.entrypoints.images.router import build_router as build_images_router
 from genserve.entrypoints.middleware import (
@@ -26,6 +27,7 @@ from genserve.entrypoints.ollama_api.router import build_router as build_ollama_
 from genserve.entrypoints.openai_api.router import build_router as build_openai_router
 from genserve.entrypoints.ops.router import build_router as build_ops_router
 from genserve.entrypoints.realtime.router import build_router as build_realtime_router
+from genserve.entrypoints.rerank_api.router import build_router as build_rerank_router
 from genserve.entrypoints.responses_api.router import build_router as build_responses_router
 from genserve.entrypoints.state import GatewayState
 from genserve.entrypoints.videos.router import build_router as build_videos_router
@@ -39,7 +41,7 @@ def _routers(state: GatewayState) -> list[APIRouter]:
     families are there when a diffusion runtime is."""
     routers = [build_ops_router(), build_native_router(), build_openai_router(),
                build_anthropic_router(), build_ollama_router(), build_responses_router(),
-               build_webui_router()]
+               build_embeddings_router(), build_rerank_router(), build_webui_router()]
     if state.diffusion_client is not None:
         routers += [build_images_router(), build_videos_router(), build_realtime_router()]
     return routers

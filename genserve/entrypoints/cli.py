@@ -58,6 +58,10 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
                         "processes (one GPU each on CUDA, gloo on CPU). Text models of the "
                         "Llama family (Llama, Mistral, Qwen2, Qwen3).")
     g.add_argument("--disable-radix-cache", action="store_true")
+    g.add_argument("--is-embedding", action="store_true",
+                   help="Serve a decoder (Qwen3, Llama...) as a last-token-pooling embedder "
+                        "on /v1/embeddings. Folders with a sentence-transformers pooling "
+                        "config, encoders and rerankers are detected without it.")
     g.add_argument("--grammar-backend", default=None, choices=llm_args.GRAMMAR_BACKENDS,
                    help="Constrained decoding (json_schema / regex / ebnf, response_format, "
                         "tool_choice required). Default xgrammar.")

@@ -45,6 +45,7 @@ def engine_args_from(args: argparse.Namespace, model_path: str | None) -> Any:
         "disable_radix_cache": args.disable_radix_cache,
         "attention_backend": args.attention_backend,
         "jump_forward": not getattr(args, "disable_jump_forward", False),
+        "is_embedding": getattr(args, "is_embedding", False),
     }
     for name in ("dtype", "mem_fraction", "chunked_prefill_size", "page_size", "num_threads",
                  "grammar_backend", "max_images_per_request", "image_cache_bytes",

@@ -18,6 +18,7 @@ from genserve import envs
 from genserve.entrypoints.admission import Admission
 from genserve.entrypoints.anthropic_api.serving import MessagesServing
 from genserve.entrypoints.config import GatewayConfig
+from genserve.entrypoints.embeddings_api.serving import EmbeddingServing
 from genserve.entrypoints.errors import model_not_found, service_unavailable
 from genserve.entrypoints.images.serving import (
     IMAGE_STORE_MAX_AGE_S,
@@ -30,6 +31,7 @@ from genserve.entrypoints.ollama_api.serving import OllamaServing
 from genserve.entrypoints.openai_api.serving_chat import ChatServing
 from genserve.entrypoints.openai_api.serving_completions import CompletionServing
 from genserve.entrypoints.realtime.serving import RealtimeServing
+from genserve.entrypoints.rerank_api.serving import RerankServing
 from genserve.entrypoints.responses_api.serving import ResponsesServing
 from genserve.entrypoints.videos.serving import (
     VIDEO_STORE_MAX_AGE_S,
@@ -56,6 +58,8 @@ class GatewayState:
     messages: MessagesServing = field(init=False)  # Anthropic /v1/messages
     ollama: OllamaServing = field(init=False)  # the Ollama API under /api/
     responses: ResponsesServing = field(init=False)  # OpenAI /v1/responses and its store
+    embeddings: EmbeddingServing = field(init=False)  # /v1/embeddings, pooled requests
+    rerank: RerankServing = field(init=False)  # /v1/rerank
     # The diffusion families' serving objects; None when no diffusion model is served.
     images: ImageServing | None = field(init=False, default=None)
     videos: VideoServing | None = field(init=False, default=None)
@@ -78,6 +82,8 @@ class GatewayState:
         self.messages = MessagesServing(self)
         self.ollama = OllamaServing(self)
         self.responses = ResponsesServing(self)
+        self.embeddings = EmbeddingServing(self)
+        self.rerank = RerankServing(self)
         client = self.diffusion_client
         if client is not None:
             output_dir = envs.GENSERVE_OUTPUT_DIR.get()
@@ -176,3 +182,11 @@ def get_ollama_serving(conn: HTTPConnection) -> OllamaServing:
 
 def get_responses_serving(conn: HTTPConnection) -> ResponsesServing:
     return get_state(conn).responses
+
+
+def get_embedding_serving(conn: HTTPConnection) -> EmbeddingServing:
+    return get_state(conn).embeddings
+
+
+def get_rerank_serving(conn: HTTPConnection) -> RerankServing:
+    return get_state(conn).rerank

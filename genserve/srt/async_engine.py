@@ -21,6 +21,8 @@ from genserve.srt.messages import (
     BatchReqOutput,
     ControlReq,
     ControlResp,
+    EmbedOutput,
+    EmbedRequest,
     GenerateOutput,
     GenerateRequest,
     MultimodalInputs,
@@ -28,7 +30,13 @@ from genserve.srt.messages import (
 )
 from genserve.srt.sampling.sampling_params import SamplingParams
 from genserve.srt.server_args import EngineArgs
-from genserve.srt.tokenizer_manager import RequestState, make_tokenized_req
+from genserve.srt.tokenizer_manager import (
+    RequestState,
+    make_pooling_req,
+    make_tokenized_req,
+    tokenize_for_embedding,
+    tokenize_pair,
+)
 from genserve.supervision import ProcessSupervisor, RestartPolicy
 
 logger = logging.getLogger(__name__)
@@ -78,6 +86,12 @@ class AsyncEngine(LLMEngineClient):
         from genserve.srt.multimodal.processor import VisionInputProcessor
 
         self.vision = VisionInputProcessor.from_folder(folder, args.max_images_per_request)
+        from genserve.srt.pooling_config import read_pooling_spec
+
+        # Embedders and rerankers: their pooling (prompts, Matryoshka); None for a chat model.
+        self.pooling = read_pooling_spec(folder, args.is_embedding)
+        self.task = self.pooling.task if self.pooling is not None else "generate"
+        self.embedding_size = int(ready.get("hidden_size") or 0)
         self.modalities = ("text", "image") if self.vision is not None else ("text",)
         self._info: dict[str, Any] = ready
         self._info["model_path"] = args.model_path or name
@@ -198,6 +212,7 @@ class AsyncEngine(LLMEngineClient):
         self._bind_loop()
         if self._dead:
             raise EngineDeadError(self._dead)
+        self._check_generates()
         params = SamplingParams.from_dict(req.sampling_params, self.generation_defaults)
         if params.n != 1:
             raise ValueError("this client serves n == 1; submit one request per choice")
@@ -255,6 +270,61 @@ class AsyncEngine(LLMEngineClient):
             self._states.pop(tok_req.rid, None)
             if not finished and link is self._link and not self._dead:
                 link.outbox.put(AbortReq(tok_req.rid))
+
+    def _check_generates(self) -> None:
+        """ValueError (a 400) naming what an embedder or reranker serves instead."""
+        if self.task != "generate":
+            kind = "an embedding" if self.task == "embed" else "a reranker"
+            route = "/v1/embeddings" if self.task == "embed" else "/v1/rerank"
+            raise ValueError(f"model {self.model_name!r} is {kind} model: it serves {route}, "
+                             "not chat or text generation")
+
+    async def embed(self, req: EmbedRequest) -> EmbedOutput:
+        self._bind_loop()
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        if self.pooling is None:
+            return await super().embed(req)
+        self.pooling.check_dimensions(req.dimensions, self.embedding_size)
+        n = len(req.input_ids)
+        if n == 0:
+            raise ValueError("the input is empty: at least one token is required")
+        if n > self.context_length:
+            raise ValueError(f"the input ({n} tokens) exceeds the model's context length "
+                             f"({self.context_length} tokens)")
+        tok_req = make_pooling_req(req.input_ids, req.rid, req.dimensions, req.token_type_ids)
+        if tok_req.rid in self._states:
+            raise ValueError(f"request id {tok_req.rid!r} is already running")
+        q: asyncio.Queue = asyncio.Queue()
+        self._states[tok_req.rid] = (RequestState(tok_req), q)
+        link = self._link
+        link.outbox.put(tok_req)
+        finished = False
+        try:
+            item = await q.get()
+            if isinstance(item, Exception):
+                raise item
+            out: ReqOutput = item
+            finished = out.finished
+            return EmbedOutput(rid=out.rid, embedding=out.embedding or [],
+                               prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
+                               error=out.error, error_status=out.error_status)
+        finally:
+            self._states.pop(tok_req.rid, None)
+            if not finished and link is self._link and not self._dead:
+                link.outbox.put(AbortReq(tok_req.rid))
+
+    def embedding_input(self, text: str, prompt_name: str | None = None,
+                        prompt: str | None = None) -> list[int]:
+        if self.pooling is None or self.pooling.task != "embed":
+            return super().embedding_input(text, prompt_name, prompt)
+        prefix = self.pooling.prompt_text(prompt_name, prompt)
+        return tokenize_for_embedding(self.tokenizer, text, prefix)
+
+    def rerank_input(self, query: str, document: str) -> tuple[list[int], list[int] | None]:
+        if self.pooling is None or self.pooling.task != "rerank":
+            return super().rerank_input(query, document)
+        return tokenize_pair(self.tokenizer, query, document)
 
     async def process_images(
         self, input_ids: list[int], images: list[bytes]
@@ -328,6 +398,7 @@ class AsyncEngine(LLMEngineClient):
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        self._check_generates()
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
         kwargs: dict[str, Any] = {"tools": tools} if tools else {}

@@ -6,7 +6,13 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
 
-from genserve.srt.messages import GenerateOutput, GenerateRequest, MultimodalInputs
+from genserve.srt.messages import (
+    EmbedOutput,
+    EmbedRequest,
+    GenerateOutput,
+    GenerateRequest,
+    MultimodalInputs,
+)
 
 
 class LLMEngineClient(ABC):
@@ -17,6 +23,26 @@ class LLMEngineClient(ABC):
     context_length: int  # max prompt + output tokens
     # Input kinds it takes; vision-language models add "image" (GenerateRequest.images).
     modalities: tuple[str, ...] = ("text",)
+    # What it serves: "generate" (chat, completions), "embed" (an embedder) or "rerank" (a
+    # cross-encoder); embedders and rerankers answer `embed` only.
+    task: str = "generate"
+
+    async def embed(self, req: EmbedRequest) -> EmbedOutput:
+        """The pooled vector of one input (a reranker: its score). ValueError for invalid input
+        (empty, longer than the context, unsupported `dimensions`, not an embedding model)."""
+        raise ValueError(f"model {self.model_name!r} is a generative model: it serves no "
+                         "embeddings")
+
+    def embedding_input(self, text: str, prompt_name: str | None = None,
+                        prompt: str | None = None) -> list[int]:
+        """Token ids of one embedding input, with the model's instruction prompt (named, given,
+        or the model's default) before it."""
+        raise ValueError(f"model {self.model_name!r} is a generative model: it serves no "
+                         "embeddings")
+
+    def rerank_input(self, query: str, document: str) -> tuple[list[int], list[int] | None]:
+        """(input_ids, token_type_ids) of one (query, document) pair of a reranker."""
+        raise ValueError(f"model {self.model_name!r} is not a reranker")
 
     @abstractmethod
     def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:

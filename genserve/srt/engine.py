@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from genserve.srt.messages import GenerateOutput, TokenizedGenerateReq
+from genserve.srt.messages import GenerateOutput, ReqOutput, TokenizedGenerateReq
 from genserve.srt.sampling.sampling_params import SamplingParams
 from genserve.srt.server_args import EngineArgs
 from genserve.srt.tokenizer_manager import (
     RequestState,
     expand_n,
+    make_pooling_req,
     make_tokenized_req,
+    tokenize_pair,
     tokenize_prompt,
 )
 
@@ -43,6 +45,10 @@ class Engine:
         self.vision = VisionInputProcessor.from_folder(
             self.runtime.folder, self.args.max_images_per_request
         )
+        from genserve.srt.pooling_config import read_pooling_spec
+
+        # Embedders and rerankers (`encode`, `rerank`); None for a generative model.
+        self.pooling = read_pooling_spec(self.runtime.folder, self.args.is_embedding)
 
     def generate(
         self,
@@ -62,6 +68,8 @@ class Engine:
         tokens from that position on (`input_token_logprobs`, SGLang's shape). image_data
         (vision models): per prompt an image or a list of images, each encoded bytes, a data
         URL or base64; one per image placeholder of the prompt."""
+        if self.pooling is not None:
+            raise ValueError("this is an embedding / rerank model: use encode() or rerank()")
         prompts, single = self._normalize(prompt, input_ids)
         mm_list = self._images(prompts, image_data, single)
         if isinstance(sampling_params, list):
@@ -154,6 +162,72 @@ class Engine:
         if any(out is None for out in outs):
             raise RuntimeError("a request ended without output")
         return outs  # type: ignore[return-value]
+
+    def encode(
+        self,
+        texts: str | list[str] | None = None,
+        dimensions: int | None = None,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        input_ids: list[list[int]] | None = None,
+    ) -> list[list[float]]:
+        """Embeddings of `texts` (or of token-id lists), one vector each, pooled as the model's
+        sentence-transformers config says; the prompt rules are `SentenceTransformer.encode`'s.
+        All inputs are queued at once and batch in the scheduler."""
+        spec = self._pooling("embed")
+        if (texts is None) == (input_ids is None):
+            raise ValueError("pass exactly one of texts or input_ids")
+        if texts is not None:
+            prefix = spec.prompt_text(prompt_name, prompt)
+            items = [texts] if isinstance(texts, str) else list(texts)
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass input_ids")
+            # One batched call (the fast tokenizer's own threads), as sentence-transformers does.
+            input_ids = [list(x) for x in self.tokenizer([prefix + t for t in items])["input_ids"]]
+        hidden = int(self.model_info().get("hidden_size") or 0)
+        spec.check_dimensions(dimensions, hidden)
+        assert input_ids is not None
+        return self._run_pooled([make_pooling_req(ids, dimensions=dimensions)
+                                 for ids in input_ids])
+
+    def rerank(self, query: str, documents: list[str]) -> list[float]:
+        """The reranker's relevance score of each document for `query` (`CrossEncoder.predict`
+        of the (query, document) pairs), in the documents' order."""
+        self._pooling("rerank")
+        reqs = []
+        for doc in documents:
+            ids, types = tokenize_pair(self.tokenizer, query, doc)
+            reqs.append(make_pooling_req(ids, token_type_ids=types))
+        return [v[0] for v in self._run_pooled(reqs)]
+
+    def _pooling(self, task: str) -> Any:
+        if self.pooling is None or self.pooling.task != task:
+            what = "a generative model" if self.pooling is None else f"an {self.pooling.task} model"
+            raise ValueError(f"this is {what}; {task} needs an "
+                             f"{'embedding' if task == 'embed' else 'reranker'} model")
+        return self.pooling
+
+    def _run_pooled(self, reqs: list[TokenizedGenerateReq]) -> list[list[float]]:
+        sched = self.scheduler
+        results: dict[str, ReqOutput] = {}
+        for r in reqs:
+            early = sched.add_request(r)
+            if early is not None:
+                for other in reqs:
+                    sched.abort(other.rid)
+                while sched.has_work():
+                    sched.step()
+                raise ValueError(early.error or "the request was refused")
+        while sched.has_work():
+            for out in sched.step():
+                results[out.rid] = out
+        vectors = []
+        for r in reqs:
+            out = results[r.rid]
+            if out.error is not None or out.embedding is None:
+                raise ValueError(out.error or "a request ended without a result")
+            vectors.append(out.embedding)
+        return vectors
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

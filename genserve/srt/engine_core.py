@@ -12,9 +12,11 @@ import torch
 
 from genserve.srt.chat_roles import chat_role_markers
 from genserve.srt.device import resolve_device
+from genserve.srt.encoder_runtime import EncoderRuntime
 from genserve.srt.model_config import ModelConfig
 from genserve.srt.model_loader import gguf_path_of, gguf_precision_class, resolve_model_folder
 from genserve.srt.model_runner import ModelRunner, check_tensor_parallel
+from genserve.srt.pooling_config import read_pooling_spec
 from genserve.srt.sampling.sampling_params import SamplingParams
 from genserve.srt.scheduler.scheduler import Scheduler
 from genserve.srt.server_args import EngineArgs
@@ -65,6 +67,8 @@ class Runtime:
             "grammar_backend": "xgrammar" if self.scheduler.grammar is not None else None,
             "chat_roles": chat_role_markers(self.tokenizer),
             "modalities": ["text", "image"] if cfg.multimodal else ["text"],
+            "hidden_size": cfg.hidden_size,
+            "pooling": self.runner.pooling.to_dict() if self.runner.pooling else None,
         }
 
 
@@ -96,8 +100,10 @@ def build_runtime(
     args: EngineArgs,
     log_level: str = "info",
     on_rank_death: Callable[[str], None] | None = None,
-) -> Runtime:
-    """on_rank_death: called (from a thread) when a tensor-parallel worker dies."""
+) -> Runtime | EncoderRuntime:
+    """on_rank_death: called (from a thread) when a tensor-parallel worker dies. An encoder
+    embedder or reranker gets an `EncoderRuntime` (transformers' modules, no KV pool); every
+    other model, decoder embedders included, the paged runtime."""
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     source_precision = None
@@ -106,11 +112,17 @@ def build_runtime(
         source_precision = gguf_precision_class(gguf) if gguf is not None else None
     args = _quantized_cpu_dtype(args, source_precision)
     folder, name = resolve_model_folder(args.model_path, args.dtype, args.device)
+    pooling = read_pooling_spec(folder, args.is_embedding)
+    if pooling is not None and pooling.runtime == "encoder":
+        return EncoderRuntime.build(args, folder, name, pooling)
+    if pooling is not None and args.tp_size > 1:
+        raise ValueError("--tp is not supported for embedding models yet")
     config = ModelConfig.from_folder(folder)
     tokenizer = load_tokenizer(folder)
     context_length = context_length_for(args, config)
     if args.tp_size == 1:
-        runner = ModelRunner(args, config, folder, context_length, source_precision)
+        runner = ModelRunner(args, config, folder, context_length, source_precision,
+                             pooling=pooling)
         workers = None
     else:
         runner, workers = _start_tensor_parallel(

@@ -100,7 +100,40 @@ class GenerateOutput:
         }
 
 
+@dataclass
+class EmbedRequest:
+    """One embedding (or rerank score) request as the gateway hands it to an `LLMEngineClient`:
+    one tokenized input (`LLMEngineClient.tokenize_for_embedding` / `tokenize_pair` make them).
+    `dimensions` keeps the first d values of a Matryoshka model's vector, then L2-normalises."""
+
+    rid: str
+    input_ids: list[int]
+    token_type_ids: list[int] | None = None  # an encoder's segment ids (query / document)
+    dimensions: int | None = None
+
+
+@dataclass
+class EmbedOutput:
+    """The pooled result of one `EmbedRequest`: the embedding vector, or for a reranker its
+    score(s) (one per label, after the model's activation)."""
+
+    rid: str
+    embedding: list[float]
+    prompt_tokens: int
+    cached_tokens: int = 0
+    error: str | None = None
+    error_status: int = 500
+
+
 # ---- Tokenizer manager <-> scheduler process -------------------------------------------------
+
+
+@dataclass
+class PoolingParams:
+    """A prefill-only request: its prompt's pooled output comes back instead of tokens."""
+
+    dimensions: int | None = None  # see EmbedRequest
+    token_type_ids: list[int] | None = None
 
 
 @dataclass
@@ -147,6 +180,7 @@ class TokenizedGenerateReq:
     logprob_start_len: int = -1  # see GenerateRequest
     token_ids_logprob: tuple[int, ...] | None = None
     mm_inputs: MultimodalInputs | None = None
+    pooling: PoolingParams | None = None  # set: an embedding / score request (no decoding)
 
 
 @dataclass
@@ -189,6 +223,7 @@ class ReqOutput:
     input_logprobs: InputLogprobs | None = None
     error: str | None = None
     error_status: int = 500
+    embedding: list[float] | None = None  # a pooling request's result (with finished=True)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from genserve.srt.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPo
 from genserve.srt.model_config import ModelConfig
 from genserve.srt.models.base import CausalLM, ModelKernels
 from genserve.srt.models.registry import get_model_class
+from genserve.srt.pooling_config import PoolingSpec
 from genserve.srt.server_args import EngineArgs
 
 if TYPE_CHECKING:
@@ -45,12 +46,14 @@ def load_model(
     dtype: torch.dtype,
     kernels: ModelKernels,
     tp: TPGroup | None = None,
+    pooled: bool = False,
 ) -> CausalLM:
     """Build the family's model on the meta device, give it empty storage in `dtype` on
     `device`, and stream the checkpoint into it: no weight ever exists in another dtype.
     With a tensor-parallel group of size > 1 the model holds this rank's share.
-    Text and vision-language models load the same way."""
-    model_cls = get_model_class(config.architecture)
+    Text and vision-language models load the same way; `pooled` loads the family's embedder
+    (`models/embedding.py`)."""
+    model_cls = get_model_class(config.architecture, pooled=pooled)
     with torch.device("meta"):
         model = model_cls(config, kernels, tp) if tp is not None and tp.size > 1 else (
             model_cls(config, kernels))
@@ -135,11 +138,15 @@ class ModelRunner:
         context_length: int,
         source_precision: str | None = None,
         tp: TPGroup | None = None,
+        pooling: PoolingSpec | None = None,
     ):
         """source_precision: "int8" / "int4" when the weights came from a GGUF stored in that
         precision class (what `--quantization auto` keeps), None for full precision.
         tp: this rank's tensor-parallel group (None: one rank); the runner then holds the
-        rank's share of the heads and of the KV pool."""
+        rank's share of the heads and of the KV pool.
+        pooling: a decoder embedder's spec; its forward then returns pooled hidden states
+        [batch, hidden] where a generative model returns logits."""
+        self.pooling = pooling
         check_tensor_parallel(config, args.tp_size)
         self.args = args
         self.config = config
@@ -159,7 +166,8 @@ class ModelRunner:
         self.attention_backend_name = backend
         # Norm and rotary kernels follow the device, not the attention backend.
         self.kernels = choose_kernels(args, self.device, get_model_class(config.architecture))
-        self.model = load_model(config, folder, self.device, self.dtype, self.kernels, self.tp)
+        self.model = load_model(config, folder, self.device, self.dtype, self.kernels, self.tp,
+                                pooled=pooling is not None)
         self.quantization = self._quantize(args.quantization, source_precision)
         if backend == "triton":
             unsupported = [
@@ -221,6 +229,8 @@ class ModelRunner:
         """`--compile` as asked, or for auto (None): on where it was measured to pay, a
         weight-only quantized model on a CPU with a C++ compiler and one rank (the laptop
         chat); off elsewhere (GPUs, full precision, tensor parallel)."""
+        if self.pooling is not None:
+            return False  # an embedder never decodes: there is no decode step to compile
         if requested is not None:
             return requested
         if self.device.type != "cpu" or self.tp.size > 1:

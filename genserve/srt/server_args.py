@@ -65,6 +65,9 @@ class EngineArgs:
     speculative_num_draft_tokens: int = 4
     speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 6
+    # Serve a registry decoder (Qwen3, Llama...) as a last-token-pooling embedder even when its
+    # folder has no sentence-transformers pooling config (SGLang's --is-embedding).
+    is_embedding: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

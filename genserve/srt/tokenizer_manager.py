@@ -12,6 +12,7 @@ from genserve.srt.messages import (
     GenerateOutput,
     InputLogprobs,
     MultimodalInputs,
+    PoolingParams,
     ReqOutput,
     TokenizedGenerateReq,
 )
@@ -113,6 +114,36 @@ def make_tokenized_req(
         token_ids_logprob=ids_logprob,
         mm_inputs=mm_inputs,
     )
+
+
+def tokenize_for_embedding(tokenizer: Any, text: str, prefix: str = "") -> list[int]:
+    """Token ids of one embedding input as sentence-transformers makes them: the prompt text
+    (an instruction) put before the input, the tokenizer's special tokens added."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer: send token ids instead of text")
+    return list(tokenizer(prefix + text)["input_ids"])
+
+
+def tokenize_pair(tokenizer: Any, query: str, document: str) -> tuple[list[int], list[int] | None]:
+    """(input_ids, token_type_ids or None) of a cross-encoder's (query, document) pair, as
+    sentence-transformers' `CrossEncoder` tokenizes it."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer")
+    enc = tokenizer(query, document)
+    types = enc.get("token_type_ids")
+    return list(enc["input_ids"]), list(types) if types is not None else None
+
+
+def make_pooling_req(input_ids: list[int], rid: str | None = None,
+                     dimensions: int | None = None,
+                     token_type_ids: list[int] | None = None) -> TokenizedGenerateReq:
+    """A prefill-only request whose result is the pooled vector of `input_ids`."""
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+        raise ValueError("token ids must be integers")
+    return TokenizedGenerateReq(
+        rid=rid or uuid.uuid4().hex, input_ids=list(input_ids),
+        sampling_params=SamplingParams(max_new_tokens=0), arrival_time=time.monotonic(),
+        pooling=PoolingParams(dimensions=dimensions, token_type_ids=token_type_ids))
 
 
 class RequestState:

@@ -1,1 +1,2 @@
-"""The Ollama API: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version."""
+"""The Ollama API: /api/chat, /api/generate, /api/embed, /api/tags, /api/show, /api/ps,
+/api/version."""

@@ -67,3 +67,12 @@ class GenerateRequest(Common):
 class ShowRequest(LenientModel):
     model: str | None = None
     name: str | None = None  # older clients
+
+
+class EmbedRequest(LenientModel):
+    model: str = Field(min_length=1)
+    input: str | list[str]
+    truncate: bool = True  # cut inputs longer than the context instead of refusing them
+    dimensions: int | None = Field(default=None, ge=1)
+    options: dict[str, Any] | None = None  # accepted; nothing applies to embeddings
+    keep_alive: str | int | float | None = None

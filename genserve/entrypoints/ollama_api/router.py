@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, Response
 from genserve.entrypoints.errors import bad_request
 from genserve.entrypoints.state import get_ollama_serving
 
-from .protocol import ChatRequest, GenerateRequest, ShowRequest
+from .protocol import ChatRequest, EmbedRequest, GenerateRequest, ShowRequest
 from .serving import OllamaServing
 
 
@@ -24,6 +24,11 @@ def build_router() -> APIRouter:
     async def generate(body: GenerateRequest, request: Request,
                        serving: OllamaServing = Depends(get_ollama_serving)) -> Response:
         return await serving.generate(body, request)
+
+    @router.post("/api/embed")
+    async def embed(body: EmbedRequest,
+                    serving: OllamaServing = Depends(get_ollama_serving)) -> JSONResponse:
+        return JSONResponse(await serving.embed(body))
 
     @router.get("/api/tags")
     async def tags(serving: OllamaServing = Depends(get_ollama_serving)) -> JSONResponse:

@@ -23,7 +23,7 @@ from genserve.entrypoints.openai_api.tool_calls import ToolCallStreamer
 from genserve.srt.client import LLMEngineClient
 from genserve.srt.messages import GenerateOutput
 
-from .protocol import ChatRequest, Common, GenerateRequest
+from .protocol import ChatRequest, Common, EmbedRequest, GenerateRequest
 from .translate import chat_to_chat, generate_to_chat, served_name
 
 if TYPE_CHECKING:
@@ -184,6 +184,19 @@ class OllamaServing:
             yield line({"error": exc.message})
         finally:
             await group.close()
+
+    async def embed(self, body: EmbedRequest) -> dict[str, Any]:
+        """/api/embed: one vector per input, through the shared pooled-request path."""
+        start = time.monotonic_ns()
+        pooled = self.state.embeddings
+        client = pooled.resolve(self._model(body.model), "embed")
+        ids = pooled.tokenize(client, body.input, None, None)
+        if body.truncate:
+            ids = [x[: client.context_length] for x in ids]
+        outs = await pooled.run(client, [(x, None) for x in ids], body.dimensions)
+        return {"model": body.model, "embeddings": [out.embedding for out in outs],
+                "total_duration": time.monotonic_ns() - start, "load_duration": 0,
+                "prompt_eval_count": sum(out.prompt_tokens for out in outs)}
 
     def tags(self) -> dict[str, Any]:
         models = []

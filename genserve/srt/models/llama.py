@@ -218,6 +218,11 @@ class LlamaForCausalLM(CausalLM):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Returns float32 logits [batch, vocab] of the last new token of each request."""
+        return self.lm_head(self.final_hidden(fb)).float()
+
+    def final_hidden(self, fb: ForwardBatch) -> torch.Tensor:
+        """The normed last-layer hidden states [batch, hidden] of the rows `fb.logits_indices`
+        names (what lm_head reads; a decoder embedder's last-token pooling)."""
         hidden = self.embed(fb.input_ids)
         residual = None
         for layer in self.layers:
@@ -226,4 +231,4 @@ class LlamaForCausalLM(CausalLM):
         hidden = hidden.index_select(0, fb.logits_indices)
         residual = residual.index_select(0, fb.logits_indices)  # type: ignore[union-attr]
         hidden, _ = self.norm(hidden, residual)
-        return self.lm_head(hidden).float()
+        return hidden

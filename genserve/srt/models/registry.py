@@ -46,17 +46,43 @@ _MODELS: dict[str, ModelEntry] = {
         processor="qwen2_vl.Qwen2VLProcessor"),
     "LlavaForConditionalGeneration": ModelEntry(
         "llava", "LlavaForConditionalGeneration", "llava", processor="llava.LlavaProcessor"),
+    # Decoders saved without their LM head (sentence-transformers saves the bare `*Model`):
+    # served as embedders only (`models/embedding.py`), through the paged runtime.
+    "LlamaModel": ModelEntry("llama", "LlamaForCausalLM", "llama"),
+    "MistralModel": ModelEntry("mistral", "MistralForCausalLM", "mistral"),
+    "Qwen2Model": ModelEntry("qwen2", "Qwen2ForCausalLM", "qwen2"),
+    "Qwen3Model": ModelEntry("qwen3", "Qwen3ForCausalLM", "qwen3"),
+}
+
+# Encoders (bidirectional attention, no KV cache to page): sentence embedders and cross-encoder
+# rerankers, run batched through transformers' own modules (`genserve.srt.encoder_runtime`).
+# Architecture name -> task.
+ENCODERS: dict[str, str] = {
+    "BertModel": "embed",
+    "RobertaModel": "embed",
+    "XLMRobertaModel": "embed",
+    "ModernBertModel": "embed",
+    "BertForSequenceClassification": "rerank",
+    "RobertaForSequenceClassification": "rerank",
+    "XLMRobertaForSequenceClassification": "rerank",
+    "ModernBertForSequenceClassification": "rerank",
 }
 
 
 def supported_architectures() -> list[str]:
-    """Sorted HF architecture names genserve can serve."""
+    """Sorted HF architecture names of the registry decoders (the paged runtime's families)."""
     return sorted(_MODELS)
+
+
+def is_bare_decoder(architecture: str) -> bool:
+    """A registry decoder saved without its LM head: it can only embed."""
+    return architecture in _MODELS and not _MODELS[architecture].cls.startswith(architecture)
 
 
 def unsupported_message(found: object) -> str:
     return (
-        f"unsupported architecture {found}; genserve serves {', '.join(supported_architectures())}"
+        f"unsupported architecture {found}; genserve serves "
+        f"{', '.join(supported_architectures())} and the encoders {', '.join(sorted(ENCODERS))}"
     )
 
 
@@ -77,11 +103,18 @@ def architecture_for_model_type(model_type: str) -> str | None:
     return next((a for a, e in _MODELS.items() if e.model_type == model_type), None)
 
 
-def get_model_class(architecture: str) -> type[CausalLM]:
+def get_model_class(architecture: str, pooled: bool = False) -> type[CausalLM]:
+    """The family class of a registry decoder; `pooled`: its embedder variant (last-token
+    pooling, no LM head)."""
     if architecture not in _MODELS:
         raise ValueError(unsupported_message(architecture))
     entry = _MODELS[architecture]
-    return getattr(importlib.import_module(f"genserve.srt.models.{entry.module}"), entry.cls)
+    cls = getattr(importlib.import_module(f"genserve.srt.models.{entry.module}"), entry.cls)
+    if pooled:
+        from genserve.srt.models.embedding import embedding_variant
+
+        return embedding_variant(cls)
+    return cls
 
 
 def get_processor_class(hf_config: dict[str, Any]) -> type[VisionProcessor] | None:

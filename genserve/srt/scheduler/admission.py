@@ -20,6 +20,7 @@ class AdmissionLimits:
     vocab_size: int
     constrained_decoding: bool  # a grammar backend is loaded
     images: bool  # the model takes image inputs
+    pooled: bool = False  # an embedder: every request is a pooling (prefill-only) request
 
 
 def admission_error(limits: AdmissionLimits, req: Req) -> str | None:
@@ -49,4 +50,8 @@ def admission_error(limits: AdmissionLimits, req: Req) -> str | None:
         return f"token_ids_logprob ids must be in [0, {vocab})"
     if req.mm_inputs is not None and not limits.images:
         return "this model does not take image inputs"
+    if limits.pooled and req.pooling is None:
+        return "this model is an embedding model: it serves embeddings, not generation"
+    if req.pooling is not None and not limits.pooled:
+        return "this model is not an embedding model: it cannot return embeddings"
     return None

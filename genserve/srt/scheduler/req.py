@@ -39,6 +39,9 @@ class Req:
         # Images: their placeholder tokens carry a value derived from the image's content hash
         # in the prefix-cache key, so equal images share KV and different ones never match.
         self.mm_inputs = msg.mm_inputs
+        # A pooling request: its prompt's pooled vector is the result; it never decodes.
+        self.pooling = msg.pooling
+        self.embedding: list[float] | None = None
         self.mm_refs: set[str] = set()  # image-embedding cache entries this request holds
         self._origin_key_ids = self.origin_input_ids
         if self.mm_inputs is not None:
@@ -257,6 +260,7 @@ class Req:
             input_logprobs=self._input_scores_ready,
             error=self.error,
             error_status=self.error_status,
+            embedding=self.embedding,
         )
         self._pending_logprobs, self._pending_top, self._pending_ids_lp = [], [], []
         self._input_scores_ready = None

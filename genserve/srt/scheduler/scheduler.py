@@ -34,6 +34,7 @@ from genserve.srt.scheduler.introspection import (
 )
 from genserve.srt.scheduler.kv_ownership import insert_prefix, release_req
 from genserve.srt.scheduler.policy import create_policy
+from genserve.srt.scheduler.pooling import pooled_vector
 from genserve.srt.scheduler.req import Req
 from genserve.srt.scheduler.sample_step import sample_step
 from genserve.srt.scheduler.speculative import NgramSpeculation, run_speculative_decode
@@ -88,6 +89,7 @@ class Scheduler:
             vocab_size=self.vocab_size,
             constrained_decoding=self.grammar is not None,
             images=self.mm is not None,
+            pooled=runner.pooling is not None,
         )
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -342,7 +344,12 @@ class Scheduler:
                 self.chunked = req
             else:
                 req.finish_input_scores()
-                if req.params.max_new_tokens == 0:  # prompt only: cached and scored
+                if req.pooling is not None:  # an embedder's output row is the pooled vector
+                    req.embedding = pooled_vector(logits[i], req.pooling.dimensions,
+                                                  self.runner.pooling.normalize)  # type: ignore[union-attr]
+                    req.finish_reason = {"type": "stop", "matched": None}
+                    self._finish(req, outputs)
+                elif req.params.max_new_tokens == 0:  # prompt only: cached and scored
                     req.finish_reason = {"type": "length", "length": 0}
                     self._finish(req, outputs)
                 else:

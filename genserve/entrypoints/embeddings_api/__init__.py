@@ -1,0 +1,2 @@
+"""OpenAI-compatible /v1/embeddings, served by embedding models (and the pooled-request path the
+rerank and Ollama /api/embed endpoints share)."""

@@ -1,0 +1,1 @@
+"""/v1/rerank (SGLang's and Cohere's shape), served by cross-encoder rerankers."""
