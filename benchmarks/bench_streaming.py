@@ -14,6 +14,7 @@ real diffusion worker, each stream one continuous video kept in the worker betwe
    throughput of both, measured side by side, and their ratio (target >= 2.5x for 4 streams).
 
 Usage: python benchmarks/bench_streaming.py [--model tiny-helios] [--size 64x64] [--steps 2]
+       [--prompt TEXT]
        [--chunks 50] [--rss-chunks 200] [--streams 4] [--batch-chunks 6] [--device auto]
        [--json out.json]
 """
@@ -37,7 +38,7 @@ from genserve.multimodal_gen.messages import DiffusionRequest, ErrorEvent, Resul
 def _request(args, stream_id: str, chunk: int, seed: int) -> DiffusionRequest:
     width, height = (int(v) for v in args.size.split("x"))
     return DiffusionRequest(
-        rid=f"{stream_id}-{chunk}", model=args.model, prompt="a red cat walking",
+        rid=f"{stream_id}-{chunk}", model=args.model, prompt=args.prompt,
         width=width, height=height, num_inference_steps=args.steps, seed=seed,
         progress=False, stream_id=stream_id, stream_reset=chunk == 0)
 
@@ -120,7 +121,7 @@ def _first_frame(client, args) -> dict:
     from tests.realtime.server import serve
 
     width, height = (int(v) for v in args.size.split("x"))
-    start = dict(model=args.model, prompt="a red cat walking", width=width, height=height,
+    start = dict(model=args.model, prompt=args.prompt, width=width, height=height,
                  num_inference_steps=args.steps, fps=120, seed=1, continuous=True,
                  max_chunks=1)
     finals = []
@@ -139,6 +140,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny-helios")
     parser.add_argument("--size", default="64x64")
+    parser.add_argument("--prompt", default="a red circle moving right on a black background",
+                        help="the streams' prompt (the shapes grammar suits shapes-stream)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--chunks", type=int, default=50)
     parser.add_argument("--rss-chunks", type=int, default=200)

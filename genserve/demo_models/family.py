@@ -1,5 +1,5 @@
-"""The diffusion family of the trained demo models (`shapes-image`, `shapes-video`), named by
-dotted path from their rows in `genserve.multimodal_gen.named_models`.
+"""The diffusion families of the trained demo models (`shapes-image`, `shapes-video`,
+`shapes-stream`), named by dotted path from their rows in `genserve.multimodal_gen.named_models`.
 
 They denoise pixels directly (no VAE): the working "latents" are the native 32x32 picture with a
 video's frames stacked on the channel axis, [B, 3F, 32, 32]. Unpacking splits the frames and
@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from genserve.demo_models import world
+from genserve.demo_models import stream_model, world
 from genserve.demo_models.models import DEFAULT_GUIDANCE, DEFAULT_STEPS
 from genserve.multimodal_gen.messages import TEXT_TO_IMAGE, TEXT_TO_VIDEO, ResolvedRequest
 from genserve.multimodal_gen.pipelines.base import DiffusionFamily
+from genserve.multimodal_gen.pipelines.helios import HeliosFamily, HeliosStream
 from genserve.multimodal_gen.pipelines.sd3 import SD3Family
 
 _COMMON = dict(
@@ -62,3 +63,57 @@ class ShapesVideoFamily(_ShapesFamily):
         _COMMON, default_guidance=DEFAULT_GUIDANCE["video"], default_num_frames=world.NUM_FRAMES,
         max_num_frames=world.NUM_FRAMES, frame_rule=str(world.NUM_FRAMES), default_fps=8,
         prompt_grammar=world.VIDEO_GRAMMAR + "; " + world.grammar_words(video=True))
+
+
+class ShapesStreamFamily(HeliosFamily):
+    """`shapes-stream`: Helios's chunk loop (history, prefix, streams; `pipelines/helios.py`)
+    over a pixel-space model (`stream_model.py`): the latents are packed 64x64 frames, so a
+    chunk decodes by unpacking (larger sizes are upscaled), and the transformer's clean-chunk
+    prediction becomes the velocity the Helios scheduler steps with."""
+
+    family = "shapes-stream"
+    pipeline_classes = ("ShapesStreamPipeline",)
+    latents_per_chunk = stream_model.FRAMES_PER_CHUNK
+    history_sizes = stream_model.HISTORY_SIZES
+    spec_defaults = dict(
+        size_factor=stream_model.MODEL_SIZE, max_pixels=256 * 256, default_width=128,
+        default_height=128, default_steps=stream_model.DEFAULT_STEPS, min_steps=1, max_steps=20,
+        default_guidance=1.0, max_guidance=10.0, square_only=True, default_fps=24,
+        native_size=f"{stream_model.MODEL_SIZE}x{stream_model.MODEL_SIZE}",
+        prompt_grammar=world.VIDEO_GRAMMAR + "; " + world.grammar_words(video=True))
+
+    @property
+    def chunk_frames(self) -> int:
+        return stream_model.FRAMES_PER_CHUNK  # no VAE: one latent frame is one frame
+
+    def new_stream(self, seed: int, width: int, height: int) -> HeliosStream:
+        """A stream at the start of a video; it is drawn at the native size whatever the
+        requested one (decode_chunk upscales)."""
+        side = stream_model.MODEL_SIZE // stream_model.UNSHUFFLE
+        history = torch.zeros(1, stream_model.LATENT_CHANNELS, sum(self.history_sizes), side,
+                              side, device=self.device, dtype=torch.float32)
+        gen_device = "cpu" if self.device.type == "mps" else self.device
+        return HeliosStream(torch.Generator(device=gen_device).manual_seed(seed), history)
+
+    def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor,
+                 history: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.pipe.velocity(latents, timestep, embeds, history)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return stream_model.unpack(latents.float()).clamp(-1, 1)
+
+    def decode_chunk(self, latents: torch.Tensor, head: ResolvedRequest) -> torch.Tensor:
+        pixels = self.decode(latents)
+        if (head.height, head.width) == tuple(pixels.shape[-2:]):
+            return pixels
+        b, c, f, h, w = pixels.shape
+        flat = pixels.permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w)
+        flat = torch.nn.functional.interpolate(flat, size=(head.height, head.width),
+                                               mode="bilinear", align_corners=False)
+        return flat.view(b, f, c, head.height, head.width).permute(0, 2, 1, 3, 4)
+
+    def preview(self, tensors: dict[str, torch.Tensor], req: ResolvedRequest,
+                full_decode: bool) -> np.ndarray:
+        # The latents are the frames themselves: every preview is exact.
+        with torch.inference_mode():
+            return self._to_uint8(self.decode_chunk(tensors["latents"][:1], req))

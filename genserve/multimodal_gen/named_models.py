@@ -78,6 +78,14 @@ ROWS = (
           dict(_TINY_HELIOS), "random-weight Helios, pyramid stages"),
     _tiny("tiny-helios-distilled", TEXT_TO_VIDEO, "helios_pyramid:HeliosPyramidFamily",
           dict(_TINY_HELIOS, default_steps=1), "random-weight Helios, distilled (DMD)"),
+    # The streaming demo's architecture (a pixel-space Helios transformer) before training:
+    # its weights are not trained to the model card's targets yet (docs/benchmarks.md).
+    NamedModel("tiny-shapes-stream", "diffusion", TEXT_TO_VIDEO, "builder",
+               f"{_DEMO}.stream_model:build_tiny_shapes_stream",
+               family=f"{_DEMO}.family:ShapesStreamFamily",
+               pipeline=f"{_DEMO}.stream_model:ShapesStreamPipeline",
+               spec=dict(max_num_frames=9 * 64),
+               summary="random-weight shapes-stream (pixel-space Helios, streaming)"),
 )
 DIFFUSION_MODELS = NamedModelTable("diffusion", ROWS)
 

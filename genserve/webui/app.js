@@ -116,8 +116,10 @@
       showError(`Could not list models: ${err.message}`);
       return;
     }
-    // Text-to-video models first: a video mode's first pick should not need a picture.
-    cards.sort((a, b) => (b.task === "text-to-video") - (a.task === "text-to-video"));
+    // Text-to-video models first (a video mode's first pick should not need a picture), and
+    // among them streaming models first: they play one continuous video.
+    const rank = (m) => (m.task === "text-to-video") * 2 + (m.streaming === true);
+    cards.sort((a, b) => rank(b) - rank(a));
     state.models = cards;
     if (!cards.length) {
       showError("This server serves no diffusion model.");
@@ -238,6 +240,9 @@
     if (card.default_steps) $("steps").value = card.default_steps;
     $("frames").value = VIDEO_TASKS.includes(card.task) ? (card.default_num_frames || 1) : 1;
     if (card.default_fps) $("fps").value = card.default_fps;
+    // A streaming model plays one endless video: continuous is its natural mode.
+    $("continuous").checked = card.streaming === true;
+    updateButtons();
     // Narrow models (the trained demo models) say which prompts they understand.
     const grammar = $("grammar");
     grammar.hidden = !card.prompt_grammar;

@@ -22,7 +22,7 @@ class _ClientMessage(BaseModel):
 
 class StartMessage(_ClientMessage):
     type: Literal["start"]
-    model: str | None = None  # None = the first served text-to-video model
+    model: str | None = None  # None = a streaming model, else the first text-to-video one
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     negative_prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     width: int | None = Field(default=None, ge=1, le=4096)

@@ -95,9 +95,16 @@ class SessionSettings:
         }
 
 
+def _default_model(client: DiffusionEngineClient) -> str | None:
+    """A streaming model first (one continuous video), then any text-to-video model (a clip
+    per chunk), then a text-to-image model (a picture per chunk)."""
+    streaming = next((s.name for s in client.specs() if s.streaming), None)
+    return streaming or client.default_model(TEXT_TO_VIDEO) or client.default_model(TEXT_TO_IMAGE)
+
+
 def resolve_settings(client: DiffusionEngineClient, msg: StartMessage) -> SessionSettings:
     """Check `msg` against the model; ProtocolError with an actionable message if it is bad."""
-    model = msg.model or client.default_model(TEXT_TO_VIDEO) or client.default_model(TEXT_TO_IMAGE)
+    model = msg.model or _default_model(client)
     if model is None:
         raise ProtocolError("model_not_found", "This server serves no diffusion model.")
     try:

@@ -87,7 +87,7 @@ class HeliosFamily(DiffusionFamily):
         chunked = dict(streaming=True, default_num_frames=frames, frame_rule=f"{frames}k+0",
                        max_num_frames=frames * 16)
         super().__init__(name, pipe, source, {**chunked, **(spec_overrides or {})})
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and getattr(pipe, "vae", None) is not None:
             channels_last_conv3d(pipe.vae)
 
     @property
@@ -114,6 +114,16 @@ class HeliosFamily(DiffusionFamily):
             latents.device, vae.dtype)
         # The same operations as diffusers (divide by 1/std), so the pixels match.
         return vae.decode(latents.to(vae.dtype) / inv_std + mean, return_dict=False)[0]
+
+    def decode_chunk(self, latents: torch.Tensor, head: ResolvedRequest) -> torch.Tensor:
+        """Pixels [B, 3, F, H, W] in [-1, 1] of a chunk's latents for `head`'s size."""
+        return self.decode(latents)
+
+    def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor,
+                 history: dict[str, torch.Tensor]) -> torch.Tensor:
+        """What the scheduler steps with; the Helios checkpoints predict it directly."""
+        return self.denoiser(hidden_states=latents, timestep=timestep,
+                             encoder_hidden_states=embeds, return_dict=False, **history)[0]
 
     # ---- streams ----
 
@@ -167,7 +177,7 @@ class HeliosFamily(DiffusionFamily):
                 # One VAE call for every row: its per-frame causal loop costs about the same
                 # for one row as for several (pixels within one level of decoding alone).
                 with torch.inference_mode():
-                    images = self.decode(latents)
+                    images = self.decode_chunk(latents, head)
                 for i in range(len(rows)):
                     chunks[i].append(self._to_uint8(images[i : i + 1]))
             decode_ms += (time.perf_counter() - t) * 1e3
@@ -276,14 +286,10 @@ class HeliosFamily(DiffusionFamily):
                 timestep = t.expand(latents.shape[0])
                 x = latents.to(dtype)
                 with transformer.cache_context("cond"):
-                    noise = transformer(hidden_states=x, timestep=timestep,
-                                        encoder_hidden_states=embeds, return_dict=False,
-                                        **history)[0]
+                    noise = self.velocity(x, timestep, embeds, history)
                 if cfg:
                     with transformer.cache_context("uncond"):
-                        uncond = transformer(hidden_states=x, timestep=timestep,
-                                             encoder_hidden_states=negative_embeds,
-                                             return_dict=False, **history)[0]
+                        uncond = self.velocity(x, timestep, negative_embeds, history)
                     noise = uncond + head.guidance_scale * (noise - uncond)
                 latents = pipe.scheduler.step(noise, t, latents, return_dict=False)[0]
             decision = on_step(steps_before + i + 1, self._total_steps, {"latents": latents})

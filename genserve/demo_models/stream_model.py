@@ -1,0 +1,148 @@
+"""`shapes-stream`: the trained streaming demo model, a small Helios transformer in pixel space.
+
+Components (stock classes, so `save_pretrained` / `from_pretrained` work as for any diffusers
+folder):
+- `tokenizer` / `text_encoder`: the demo models' word-level tokenizer and tiny T5 encoder;
+- `transformer`: diffusers' `HeliosTransformer3DModel`, the architecture of the Helios
+  checkpoints: it denoises a chunk of frames while reading the video's history through its
+  short / mid / long patch embeddings;
+- `scheduler`: `HeliosScheduler` with one stage and Euler steps.
+
+There is no VAE: the working "latents" are the frames themselves, drawn at 32x32 and
+pixel-unshuffled 2x to [C=12, 16, 16] per frame (`pack` / `unpack`), so decoding is exact and
+costs nothing; the served 64x64 (or larger) frames are that picture upscaled bilinearly, as the
+other demo models do. The transformer predicts the clean chunk; `velocity` turns that into the
+flow the Helios scheduler steps with. A first run drawing at 64x64 natively (48 channels a
+latent pixel, 192 numbers a token) was still blocky after 1,000 steps (docs/benchmarks.md).
+The served chunk loop is `pipelines/helios.HeliosFamily`'s, through `family.ShapesStreamFamily`.
+
+No trained weights ship yet: the runs so far fall short of the targets (docs/benchmarks.md), so
+the architecture is served as `tiny-shapes-stream` (seeded random weights) and
+`stream_train.py` exports a trained folder that `--diffusion-model-path` serves.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import DiffusionPipeline, HeliosScheduler, HeliosTransformer3DModel
+from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+from genserve.demo_models.models import MAX_PROMPT_TOKENS, TEXT_DIM, WEIGHTS_DIR, build_tokenizer
+from genserve.demo_models.stream_world import SIZE
+
+STREAM_WEIGHTS_PATH = WEIGHTS_DIR / "shapes-stream"  # where training exports by default
+MODEL_SIZE = SIZE // 2  # the frames the transformer draws (larger sizes are upscaled)
+UNSHUFFLE = 2  # pixels per latent pixel along each side
+LATENT_CHANNELS = 3 * UNSHUFFLE * UNSHUFFLE
+FRAMES_PER_CHUNK = 9
+HISTORY_SIZES = (16, 2, 1)  # long, mid, short windows (frames), as the Helios checkpoints
+DEFAULT_STEPS = 3
+MIN_SIGMA = 0.05  # x-prediction turns into a velocity by dividing by the noise level
+TRANSFORMER_CONFIG = dict(
+    patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32,
+    in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, text_dim=TEXT_DIM, freq_dim=64,
+    ffn_dim=256, num_layers=3, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+    rope_dim=(8, 12, 12), has_multi_term_memory_patch=True, guidance_cross_attn=True,
+    zero_history_timestep=True)
+
+
+def pack(frames: torch.Tensor) -> torch.Tensor:
+    """[B, 3, F, H, W] pixels -> [B, 48, F, H/4, W/4] latents."""
+    b, c, f, h, w = frames.shape
+    x = frames.permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w)
+    x = torch.nn.functional.pixel_unshuffle(x, UNSHUFFLE)
+    return x.view(b, f, *x.shape[1:]).permute(0, 2, 1, 3, 4)
+
+
+def unpack(latents: torch.Tensor) -> torch.Tensor:
+    """[B, 48, F, h, w] latents -> [B, 3, F, 4h, 4w] pixels."""
+    b, c, f, h, w = latents.shape
+    x = latents.permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w)
+    x = torch.nn.functional.pixel_shuffle(x, UNSHUFFLE)
+    return x.view(b, f, *x.shape[1:]).permute(0, 2, 1, 3, 4)
+
+
+class ShapesStreamPipeline(DiffusionPipeline):
+    """Holds the components; the chunk loop is the serving family's (see module doc)."""
+
+    model_cpu_offload_seq = "text_encoder->transformer"
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, text_encoder: T5EncoderModel,
+                 transformer: HeliosTransformer3DModel, scheduler: HeliosScheduler):
+        super().__init__()
+        self.register_modules(tokenizer=tokenizer, text_encoder=text_encoder,
+                              transformer=transformer, scheduler=scheduler)
+
+    @property
+    def native_size(self) -> int:
+        return MODEL_SIZE
+
+    def encode_prompt(self, prompt: str | list[str], negative_prompt: str | list[str] | None = None,
+                      do_classifier_free_guidance: bool = False, device=None, **_ignored
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(prompt embeddings [B, 16, D], negative ones with guidance else None), the shape
+        `HeliosPipeline.encode_prompt` returns; padding positions are zeroed, as Helios does."""
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        embeds = self._encode(prompts, device)
+        negative = None
+        if do_classifier_free_guidance:
+            negs = negative_prompt or ""
+            negs = [negs] * len(prompts) if isinstance(negs, str) else list(negs)
+            negative = self._encode(negs, device)
+        return embeds, negative
+
+    def _encode(self, prompts: list[str], device) -> torch.Tensor:
+        toks = self.tokenizer(prompts, padding="max_length", max_length=MAX_PROMPT_TOKENS,
+                              truncation=True, return_tensors="pt")
+        device = device or self.text_encoder.device
+        mask = toks.attention_mask.to(device)
+        emb = self.text_encoder(toks.input_ids.to(device), attention_mask=mask)[0]
+        return emb * mask.unsqueeze(-1).to(emb.dtype)
+
+    def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor,
+                 history: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The flow (noise - clean) at `timestep` [B] (sigma * 1000) from the transformer's
+        clean-chunk prediction."""
+        clean = self.transformer(hidden_states=latents, timestep=timestep,
+                                 encoder_hidden_states=embeds, return_dict=False, **history)[0]
+        sigma = (timestep.float() / 1000.0).clamp(min=MIN_SIGMA)
+        return (latents - clean) / sigma.view(-1, 1, 1, 1, 1).to(clean.dtype)
+
+
+def history_indices(batch: int) -> dict[str, torch.Tensor]:
+    """Frame positions of the prefix, the history windows and the chunk, laid out as
+    diffusers' Helios does with keep_first_frame."""
+    sizes = [1, *HISTORY_SIZES, FRAMES_PER_CHUNK]
+    prefix, long, mid, one, chunk = torch.arange(sum(sizes)).split(sizes)
+    short = torch.cat([prefix, one])
+    out = {"indices_hidden_states": chunk, "indices_latents_history_short": short,
+           "indices_latents_history_mid": mid, "indices_latents_history_long": long}
+    return {k: v.unsqueeze(0).expand(batch, -1) for k, v in out.items()}
+
+
+def history_inputs(history: torch.Tensor, prefix: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The transformer's history arguments from the last sum(HISTORY_SIZES) latent frames
+    [B, C, 19, h, w] and the video's first frame [B, C, 1, h, w]."""
+    h_long, h_mid, h_1x = history.split(list(HISTORY_SIZES), dim=2)
+    return {"latents_history_long": h_long, "latents_history_mid": h_mid,
+            "latents_history_short": torch.cat([prefix, h_1x], dim=2),
+            **history_indices(history.shape[0])}
+
+
+def build_stream_pipeline() -> ShapesStreamPipeline:
+    """A fresh (untrained) shapes-stream pipeline."""
+    tokenizer = build_tokenizer()
+    text_encoder = T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer), d_model=TEXT_DIM, d_kv=TEXT_DIM // 2, d_ff=2 * TEXT_DIM,
+        num_layers=2, num_heads=2, relative_attention_num_buckets=8, dropout_rate=0.0,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    transformer = HeliosTransformer3DModel(**TRANSFORMER_CONFIG)
+    scheduler = HeliosScheduler(stages=1, stage_range=[0, 1], scheduler_type="euler",
+                                use_dynamic_shifting=False, shift=1.0)
+    return ShapesStreamPipeline(tokenizer=tokenizer, text_encoder=text_encoder,
+                                transformer=transformer, scheduler=scheduler)
+
+
+def build_tiny_shapes_stream() -> ShapesStreamPipeline:
+    """The `tiny-shapes-stream` row: the architecture with the torch seed's weights."""
+    return build_stream_pipeline()

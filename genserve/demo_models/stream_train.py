@@ -1,0 +1,270 @@
+"""Train `shapes-stream` on the endless shapes world and export it as a diffusers folder.
+
+    # the recipe of the committed model (docs/benchmarks.md has the run's figures)
+    python -m genserve.demo_models.stream_train --minutes 30
+    python -m genserve.demo_models.stream_train --minutes 15 --rollout-frac 0.3 --cosine
+
+Each example is one chunk of a stream: the frames before it (up to the history window, zeros
+before the video starts), the video's first frame (the prefix Helios keeps), and the chunk's
+prompt; the chunk's scene changes from the history's with `--switch-prob` (a prompt switch:
+position and size continue, everything the prompt says changes). Rectified flow on the packed
+pixels: x_s = (1 - s) x0 + s noise, the transformer predicts x0 (stream_model.py), s drawn
+uniformly or from the serving step grids. Shape pixels weigh more in the loss.
+
+Self-continuation: with `--rollout-frac`, that share of the examples replaces its last history
+chunk with the model's own sample (EMA weights, the serving step count), reads where its shape
+actually ended up (`stream_world.circular_centroid`), and trains the next chunk to continue from
+there. The model so learns to continue its own output, not only clean history, and long streams
+do not drift. History is also noised a little in half of the examples.
+
+Resumable (`training.TrainingRun`): a checkpoint every `--checkpoint-minutes` and at the end;
+the EMA weights are exported to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from genserve.demo_models import stream_world, world
+from genserve.demo_models.stream_model import (
+    DEFAULT_STEPS,
+    FRAMES_PER_CHUNK,
+    HISTORY_SIZES,
+    MIN_SIGMA,
+    MODEL_SIZE,
+    STREAM_WEIGHTS_PATH,
+    build_stream_pipeline,
+    history_inputs,
+    pack,
+    unpack,
+)
+from genserve.demo_models.training import TrainingRun, parse_and_train, seed_and_work_dir
+
+FG_WEIGHT = 4.0
+PROMPT_DROPOUT = 0.1
+WINDOW = sum(HISTORY_SIZES)
+SERVING_SIGMAS = (0.999, 0.666, 0.333, 0.4995)  # the 3- and 2-step grids the family uses
+
+
+def _to_tensor(frames: np.ndarray) -> torch.Tensor:
+    """uint8 [F, H, W, 3] -> [3, F, H, W] in [-1, 1]."""
+    return torch.from_numpy(frames).permute(3, 0, 1, 2).float() / 127.5 - 1.0
+
+
+def _window(frames: torch.Tensor) -> torch.Tensor:
+    """The last WINDOW frames of [3, F, H, W], zero-filled in front."""
+    f = frames.shape[1]
+    if f >= WINDOW:
+        return frames[:, f - WINDOW:]
+    pad = torch.zeros(frames.shape[0], WINDOW - f, *frames.shape[2:])
+    return torch.cat([pad, frames], dim=1)
+
+
+class Example:
+    """One training chunk before packing (pixels [3, F, 64, 64] in [-1, 1])."""
+
+    def __init__(self, rng: random.Random, nrng: np.random.Generator,
+                 scenes: list[world.Scene], switch_prob: float, rollout: bool):
+        k = rng.choice([0, 1, 2, 3, 3, 3, 4, 4, 4]) if not rollout else rng.choice([1, 2, 3, 4])
+        chunks = min(k, 3 + rollout)  # history chunks rendered (enough to fill the window)
+        # Scenes chunk by chunk, from the target back: each earlier chunk keeps its
+        # successor's scene unless the prompt switched between them.
+        plan = [scenes[rng.randrange(len(scenes))]]
+        for _ in range(chunks):
+            plan.insert(0, plan[0] if rng.random() >= switch_prob
+                        else scenes[rng.randrange(len(scenes))])
+        state = stream_world.StreamState.random(nrng)
+        per_frame = [s for s in plan[:-1] for _ in range(FRAMES_PER_CHUNK)]
+        if per_frame:
+            past, state = stream_world.render(per_frame, state, MODEL_SIZE)
+            self.past = _to_tensor(past)
+        else:
+            self.past = torch.zeros(3, 0, MODEL_SIZE, MODEL_SIZE)
+        if k == chunks and chunks > 0:
+            self.prefix = self.past[:, :1]  # the video started with the first chunk drawn
+        elif k == 0:
+            self.prefix = torch.zeros(3, 1, MODEL_SIZE, MODEL_SIZE)
+        else:  # the video started long ago, maybe under another prompt
+            early = plan[0] if rng.random() < 0.5 else scenes[rng.randrange(len(scenes))]
+            far, _ = stream_world.render([early], stream_world.StreamState.random(nrng),
+                                         MODEL_SIZE)
+            self.prefix = _to_tensor(far)
+        self.plan, self.state = plan, state
+        self.started = k == chunks  # the first chunk drawn is the video's first
+        self.target_scene = plan[-1]
+        self.target, _ = stream_world.render([plan[-1]] * FRAMES_PER_CHUNK, state, MODEL_SIZE)
+        self.prompt = plan[-1].prompt()
+
+    def retarget(self, generated: np.ndarray) -> None:
+        """The last history chunk is now `generated` (uint8 [9, H, W, 3]): continue from where
+        its shape is in its last frame."""
+        self.past = torch.cat([self.past[:, :-FRAMES_PER_CHUNK], _to_tensor(generated)], dim=1)
+        if self.started and self.past.shape[1] == FRAMES_PER_CHUNK:
+            self.prefix = self.past[:, :1]  # the generated chunk opened the video
+        bg = np.array(world.BACKGROUNDS[self.plan[-2].background], np.float32)
+        dist = np.linalg.norm(generated[-1].astype(np.float32) - bg, axis=-1)
+        centre = stream_world.circular_centroid((dist > 60).astype(np.float32))
+        if centre is not None:
+            scale = stream_world.SIZE / MODEL_SIZE  # states are in SIZE pixels
+            self.state = stream_world.StreamState(centre[0] * scale, centre[1] * scale,
+                                                  self.state.r)
+            self.target, _ = stream_world.render([self.target_scene] * FRAMES_PER_CHUNK,
+                                                 self.state, MODEL_SIZE)
+
+
+def _batch_inputs(examples: list[Example], before_last: bool = False):
+    """Packed history inputs of `examples`; `before_last` builds the window that made their
+    last history chunk instead (for roll-outs)."""
+    hist, pre = [], []
+    for ex in examples:
+        past = ex.past[:, :-FRAMES_PER_CHUNK] if before_last else ex.past
+        hist.append(_window(past))
+        opening = before_last and ex.started and past.shape[1] == 0
+        pre.append(torch.zeros_like(ex.prefix) if opening else ex.prefix)
+    h = pack(torch.stack(hist))
+    p = pack(torch.stack(pre))
+    return h, p
+
+
+@torch.no_grad()
+def sample_chunks(pipe, model, prompts: list[str], history: torch.Tensor, prefix: torch.Tensor,
+                  steps: int, generator: torch.Generator | None = None,
+                  noise: torch.Tensor | None = None, autocast: bool = True) -> torch.Tensor:
+    """Euler sampling of one chunk per row on the serving family's step grid (the same
+    sigmas and x-to-velocity rule, so a roll-out is what serving would draw), from `noise` or
+    fresh noise of `generator`; packed latents [B, C, 9, h, w]."""
+    b = history.shape[0]
+    embeds = _encode(model, pipe, prompts)
+    inputs = history_inputs(history, prefix)
+    x = noise if noise is not None else torch.randn(
+        b, history.shape[1], FRAMES_PER_CHUNK, *history.shape[3:], generator=generator)
+    sigmas = list(np.linspace(0.999, 0.0, steps + 1))
+    for s, s_next in zip(sigmas[:-1], sigmas[1:]):
+        t = torch.full((b,), s * 1000.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            clean = model["transformer"](hidden_states=x, timestep=t, encoder_hidden_states=embeds,
+                                         return_dict=False, **inputs)[0].float()
+        v = (x - clean) / max(s, MIN_SIGMA)
+        x = x + (s_next - s) * v
+    return x
+
+
+def _encode(model, pipe, prompts: list[str]) -> torch.Tensor:
+    from genserve.demo_models.models import MAX_PROMPT_TOKENS
+
+    toks = pipe.tokenizer(prompts, padding="max_length", max_length=MAX_PROMPT_TOKENS,
+                          truncation=True, return_tensors="pt")
+    emb = model["text_encoder"](toks.input_ids, attention_mask=toks.attention_mask)[0]
+    return emb * toks.attention_mask.unsqueeze(-1).to(emb.dtype)
+
+
+def _fg_weight(target: torch.Tensor, scenes: list[world.Scene]) -> torch.Tensor:
+    """1 on background pixels, FG_WEIGHT on shape pixels; packed like the latents."""
+    bgs = torch.tensor([world.BACKGROUNDS[s.background] for s in scenes], dtype=torch.float32)
+    bgs = (bgs / 127.5 - 1.0).view(-1, 3, 1, 1, 1)
+    fg = ((target - bgs).abs().amax(dim=1, keepdim=True) > 0.2).float()
+    w = 1.0 + (FG_WEIGHT - 1.0) * fg
+    return pack(w.expand(-1, 3, -1, -1, -1).contiguous())
+
+
+def train(args: argparse.Namespace) -> None:
+    work = seed_and_work_dir(args.seed, Path(args.work_dir))
+    pipe = build_stream_pipeline()
+    model = torch.nn.ModuleDict({"transformer": pipe.transformer,
+                                 "text_encoder": pipe.text_encoder})
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    run = TrainingRun(args, work, model, opt)
+    if run.resume():
+        print(f"resumed at step {run.step}")
+    if args.export_only:
+        export(run.ema, Path(args.out))
+        return
+    scenes = world.training_scenes(video=True)
+    nrng = np.random.default_rng(args.seed + run.step)
+    gen = torch.Generator().manual_seed(args.seed + run.step)
+    run.begin("train shapes-stream")
+    while run.going():
+        rng = run.rng
+        n_roll = int(round(args.batch_size * args.rollout_frac))
+        examples = [Example(rng, nrng, scenes, args.switch_prob, rollout=i < n_roll)
+                    for i in range(args.batch_size)]
+        if n_roll:
+            rolls = examples[:n_roll]
+            h, p = _batch_inputs(rolls, before_last=True)
+            made = sample_chunks(pipe, run.ema, [ex.plan[-2].prompt() for ex in rolls], h, p,
+                                 args.rollout_steps, gen)
+            pix = ((unpack(made).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+            for ex, clip in zip(rolls, pix.permute(0, 2, 3, 4, 1).numpy()):
+                ex.retarget(clip)
+        history, prefix = _batch_inputs(examples)
+        if args.history_noise > 0:
+            noisy = torch.rand(len(examples)) < 0.5
+            scale = torch.rand(len(examples)) * args.history_noise * noisy
+            history = history + scale.view(-1, 1, 1, 1, 1) * torch.randn_like(history)
+        target_pix = torch.stack([_to_tensor(ex.target) for ex in examples])
+        x0 = pack(target_pix)
+        weight = _fg_weight(target_pix, [ex.target_scene for ex in examples])
+        b = x0.shape[0]
+        sigma = torch.rand(b)
+        grid = torch.rand(b) < 0.5
+        picks = torch.randint(len(SERVING_SIGMAS), (int(grid.sum()),))
+        sigma[grid] = torch.tensor(SERVING_SIGMAS)[picks]
+        noise = torch.randn_like(x0)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        xt = (1 - s) * x0 + s * noise
+        prompts = ["" if rng.random() < PROMPT_DROPOUT else ex.prompt for ex in examples]
+        run.set_lr()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            embeds = _encode(model, pipe, prompts)
+            clean = model["transformer"](hidden_states=xt, timestep=sigma * 1000.0,
+                                         encoder_hidden_states=embeds, return_dict=False,
+                                         **history_inputs(history, prefix))[0]
+        loss = (weight * (clean.float() - x0) ** 2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        run.finish_step(loss=f"{loss.item():.4f}")
+    run.end()
+    export(run.ema, Path(args.out))
+
+
+def export(ema: torch.nn.ModuleDict, out: Path) -> None:
+    """Save the EMA weights as the served diffusers folder."""
+    pipe = build_stream_pipeline()
+    pipe.transformer.load_state_dict(ema["transformer"].state_dict())
+    pipe.text_encoder.load_state_dict(ema["text_encoder"].state_dict())
+    pipe.save_pretrained(out, safe_serialization=True)
+    print(f"exported to {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--work-dir", default="work/shapes-stream")
+    p.add_argument("--out", default=str(STREAM_WEIGHTS_PATH))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--restart", action="store_true", help="ignore an existing checkpoint")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--checkpoint-minutes", type=float, default=5.0)
+    p.add_argument("--batch-size", type=int, default=12)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--cosine", action="store_true", help="decay the rate over this run")
+    p.add_argument("--ema", type=float, default=0.995)
+    p.add_argument("--switch-prob", type=float, default=0.3)
+    p.add_argument("--rollout-frac", type=float, default=0.0)
+    p.add_argument("--rollout-steps", type=int, default=DEFAULT_STEPS)
+    p.add_argument("--history-noise", type=float, default=0.1)
+    p.add_argument("--export-only", action="store_true",
+                   help="export the checkpoint's EMA weights to --out without training")
+    parse_and_train(p, argv, train)
+
+
+if __name__ == "__main__":
+    main()

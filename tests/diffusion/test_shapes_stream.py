@@ -1,0 +1,153 @@
+"""`shapes-stream`, the trained streaming demo model: its world and scorer (pure numpy, checked
+on drawn ground truth and on broken streams), and the shipped weights through the served family
+on held-out prompts and switch schedules, against the targets of the model card."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from genserve.demo_models import stream_evaluate as ev
+from genserve.demo_models import stream_world, world
+
+SCENE = world.Scene("red", "circle", "black", direction="right")
+OTHER = world.Scene("blue", "triangle", "white", direction="up")
+
+
+def test_shape_moves_one_step_a_frame_and_wraps():
+    state = stream_world.StreamState(60.0, 32.0)  # near the right border
+    frames, after = stream_world.render([SCENE] * 6, state)
+    assert after.cx == pytest.approx(72.0) and after.cy == pytest.approx(32.0)
+    centres = [ev.read_frame(f).centre for f in frames]
+    for a, b in zip(centres, centres[1:]):
+        step = stream_world.torus_delta(a[0], b[0], 64)
+        assert step == pytest.approx(stream_world.SPEED, abs=0.3)
+        assert abs(stream_world.torus_delta(a[1], b[1], 64)) < 0.3
+    # Across the border the shape is drawn on both sides and reads as one shape there.
+    crossing = frames[1]  # centre at x = 64 = 0
+    bg = crossing[0, 32]
+    assert (crossing[:, :4] != bg).any() and (crossing[:, -4:] != bg).any()
+    reading = ev.read_frame(crossing)
+    assert reading.colour == "red" and reading.shape == "circle"
+    assert min(reading.centre[0], 64 - reading.centre[0]) < 1.0
+
+
+def _schedule_frames(schedule: ev.Schedule, n: int, jump_at: int | None = None) -> np.ndarray:
+    state = stream_world.StreamState(10.0, 20.0)
+    scenes = [schedule.scene_at(i) for i in range(n)]
+    if jump_at is None:
+        return stream_world.render(scenes, state)[0]
+    a, state = stream_world.render(scenes[:jump_at], state)
+    state = stream_world.StreamState(state.cx + 30, state.cy + 25, state.r)  # a cut
+    b, _ = stream_world.render(scenes[jump_at:], state)
+    return np.concatenate([a, b])
+
+
+def test_scorer_on_ground_truth_and_on_broken_streams():
+    schedule = ev.Schedule([SCENE, OTHER], [0, 45])
+    truth = ev.score_stream(_schedule_frames(schedule, 90), schedule)
+    s = ev.summarize([truth])
+    assert s["colour"] == s["shape"] == s["background"] == s["direction"] == 1.0
+    assert s["resets"] == 0 and s["max_step"] < 1 / 16 and s["switch_latency_max"] == 0
+    # A cut is a reset; a switch that never happens is a full-length latency and wrong frames.
+    cut = ev.summarize([ev.score_stream(_schedule_frames(schedule, 90, jump_at=20), schedule)])
+    assert cut["resets"] == 1 and cut["max_step"] > 1 / 8
+    stuck = ev.Schedule([SCENE, SCENE], [0, 45])
+    late = ev.summarize([ev.score_stream(_schedule_frames(stuck, 90), schedule)])
+    assert late["switch_latency_max"] == 45 and late["colour"] < 0.6
+    assert late["direction"] == 0.5  # the second segment still moves right, not up
+
+
+def test_held_out_schedules_use_held_out_scenes_and_switch_on_chunks():
+    schedules = ev.held_out_schedules(6, 306, 9, switches=2)
+    held = set(world.held_out(video=True))
+    for s in schedules:
+        assert all(scene in held for scene in s.scenes)
+        assert s.starts[0] == 0 and all(x % 9 == 0 for x in s.starts)
+        assert all(a != b for a, b in zip(s.scenes, s.scenes[1:]))
+
+
+@pytest.fixture(scope="module")
+def model():
+    from genserve.multimodal_gen.pipelines import load_model
+
+    return load_model("tiny-shapes-stream")
+
+
+def test_spec_is_a_streaming_model(model):
+    spec = model.spec
+    assert spec.streaming and spec.default_num_frames == model.chunk_frames == 9
+    assert spec.native_size == "32x32" and spec.default_guidance == 1.0
+    assert spec.max_num_frames == 9 * 64 and "moving {direction}" in spec.prompt_grammar
+
+
+def test_served_chunks_equal_the_training_sampler(model):
+    """The family's chunk loop (Helios scheduler, x-prediction turned into a velocity) and
+    the trainer's roll-out sampler draw the same chunk from the same noise and history: what
+    training continues from is what serving makes."""
+    import torch
+
+    from genserve.demo_models import stream_train
+
+    schedules = ev.held_out_schedules(2, 18, 9, switches=0)
+    seeds = (5, 6)
+    served = ev.run_streams(model, schedules, 18, seed=5, size=32)
+    # The trainer's sampler on the same streams: its own generator replays the family's noise.
+    pipe = model.pipe
+    parts = torch.nn.ModuleDict({"transformer": pipe.transformer,
+                                 "text_encoder": pipe.text_encoder})
+    streams = [model.new_stream(s, 32, 32) for s in seeds]
+    prompts = [s.scene_at(0).prompt() for s in schedules]
+    made = []
+    for _ in range(2):
+        history = torch.cat([st.history for st in streams])
+        prefix = torch.cat([st.prefix if st.prefix is not None
+                            else torch.zeros_like(st.history[:, :, :1]) for st in streams])
+        noise = torch.cat([torch.randn(1, *history.shape[1:2], 9, *history.shape[3:],
+                                       generator=st.generator) for st in streams])
+        x = stream_train.sample_chunks(pipe, parts, prompts, history, prefix, 3, noise=noise,
+                                       autocast=False)
+        model._advance(streams, x)
+        made.append(x)
+    ours = torch.cat(made, dim=2)
+    pixels = ((stream_train.unpack(ours).clamp(-1, 1) + 1) * 127.5).round()
+    pixels = pixels.permute(0, 2, 3, 4, 1).numpy()
+    for row, video in enumerate(served):
+        assert np.abs(pixels[row] - video.astype(np.float32)).max() <= 1
+
+
+def test_streamed_chunks_continue_one_video(model):
+    """Three chunks of one stream at two sizes: a larger size is the native video upscaled."""
+    schedules = ev.held_out_schedules(1, 27, 9, switches=0)
+    chunked = ev.run_streams(model, schedules, 27, seed=3, size=32)[0]
+    big = ev.run_streams(model, schedules, 27, seed=3, size=64)[0]
+    assert big.shape == (27, 64, 64, 3) and chunked.shape == (27, 32, 32, 3)
+    # The same video, made at 64x64: the native frames upscaled bilinearly (the chunk loop is
+    # the same; only decoding differs).
+    import torch
+
+    native = torch.from_numpy(chunked).permute(0, 3, 1, 2).float()
+    up = torch.nn.functional.interpolate(native, size=(64, 64), mode="bilinear",
+                                         align_corners=False).permute(0, 2, 3, 1).numpy()
+    assert np.abs(up - big.astype(np.float32)).max() <= 2
+
+
+def test_training_resumes_and_exports_a_servable_folder(tmp_path):
+    """Two steps (one with roll-outs), a resumed third, then the exported folder serves a
+    streamed chunk through the family."""
+    import torch
+
+    from genserve.demo_models import stream_train
+    from genserve.multimodal_gen.pipelines import load_model
+
+    work, out = tmp_path / "work", tmp_path / "out"
+    common = ["--work-dir", str(work), "--out", str(out), "--batch-size", "2",
+              "--rollout-steps", "1"]
+    stream_train.main([*common, "--steps", "2", "--rollout-frac", "0.5"])
+    assert torch.load(work / "checkpoint.pt", weights_only=False)["step"] == 2
+    stream_train.main([*common, "--steps", "3"])
+    assert torch.load(work / "checkpoint.pt", weights_only=False)["step"] == 3
+    served = load_model(str(out), name="shapes-stream-test")
+    assert served.spec.streaming
+    video = ev.run_streams(served, ev.held_out_schedules(1, 9, 9, switches=0), 9, steps=1)[0]
+    assert video.shape == (9, 64, 64, 3)
