@@ -131,3 +131,12 @@ def test_readme_lists_every_registered_architecture():
     table = readme.split("## Supported LLM architectures", 1)[1].split("\n## ", 1)[0]
     listed = {line.split("`")[1] for line in table.splitlines() if line.startswith("| `")}
     assert listed == set(supported_architectures())
+
+
+def test_only_headless_decoders_count_as_bare():
+    """A VLM whose class is shared with another architecture is not an embedder."""
+    from genserve.srt.models.registry import is_bare_decoder
+
+    assert is_bare_decoder("Qwen3Model") and is_bare_decoder("LlamaModel")
+    assert not is_bare_decoder("Qwen2_5_VLForConditionalGeneration")
+    assert not is_bare_decoder("Qwen2ForCausalLM")

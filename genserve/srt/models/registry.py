@@ -76,7 +76,7 @@ def supported_architectures() -> list[str]:
 
 def is_bare_decoder(architecture: str) -> bool:
     """A registry decoder saved without its LM head: it can only embed."""
-    return architecture in _MODELS and not _MODELS[architecture].cls.startswith(architecture)
+    return architecture in _MODELS and architecture.endswith("Model")  # e.g. Qwen3Model
 
 
 def unsupported_message(found: object) -> str:
