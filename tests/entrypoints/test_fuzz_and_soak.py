@@ -36,7 +36,7 @@ def test_fuzzed_requests_get_no_5xx_and_no_hang(server):
     # Bounded by count, not time: every operation gets its cases however fast the machine is.
     report = _load("fuzz_api").fuzz(server.url, cases_per_operation=6, request_timeout=30.0)
     assert report.cases >= 100, report.to_dict()
-    assert report.ok, report.to_dict()
+    assert report.ok, (report.server_errors[:5], report.hangs[:5], report.integrity)
     exercised = {label.split(" ", 1)[1] for label in report.by_operation}
     assert {"/v1/chat/completions", "/generate", "/v1/images/generations"} <= exercised
 

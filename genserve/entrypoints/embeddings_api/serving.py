@@ -41,8 +41,10 @@ class EmbeddingServing:
             for client in self.state.llm_clients:
                 if client.task == task:
                     return client
-            raise service_unavailable(f"No {_TASK_NAMES[task].split(' ', 1)[1]} is served by "
-                                      "this server.", f"no_{task}_model")
+            # A client error, not an outage: this server will never serve one (start it with
+            # an embedding or reranker --model-path).
+            raise bad_request(f"No {_TASK_NAMES[task].split(' ', 1)[1]} is served by this "
+                              "server.", "model", f"no_{task}_model")
         client = self.state.resolve_llm(model)
         if client.task != task:
             raise bad_request(
