@@ -13,6 +13,8 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("gpu_compile_check.py")
     root = Path(__file__).resolve().parents[2]
+    # The script's own folder leads sys.path; put this checkout first, not an installed copy.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, str(script)],
         env=env,
