@@ -12,8 +12,7 @@ There is no VAE: the working "latents" are the frames themselves, drawn at 32x32
 pixel-unshuffled 2x to [C=12, 16, 16] per frame (`pack` / `unpack`), so decoding is exact and
 costs nothing; the served 64x64 (or larger) frames are that picture upscaled bilinearly, as the
 other demo models do. The transformer predicts the clean chunk; `velocity` turns that into the
-flow the Helios scheduler steps with. A first run drawing at 64x64 natively (48 channels a
-latent pixel, 192 numbers a token) was still blocky after 1,000 steps (docs/benchmarks.md).
+flow the Helios scheduler steps with. (Why 32x32 and not 64x64 natively: docs/benchmarks.md.)
 The served chunk loop is `pipelines/helios.HeliosFamily`'s, through `family.ShapesStreamFamily`.
 
 No trained weights ship yet: the runs so far fall short of the targets (docs/benchmarks.md), so
@@ -92,12 +91,7 @@ class ShapesStreamPipeline(DiffusionPipeline):
         return embeds, negative
 
     def _encode(self, prompts: list[str], device) -> torch.Tensor:
-        toks = self.tokenizer(prompts, padding="max_length", max_length=MAX_PROMPT_TOKENS,
-                              truncation=True, return_tensors="pt")
-        device = device or self.text_encoder.device
-        mask = toks.attention_mask.to(device)
-        emb = self.text_encoder(toks.input_ids.to(device), attention_mask=mask)[0]
-        return emb * mask.unsqueeze(-1).to(emb.dtype)
+        return encode_prompts(self.tokenizer, self.text_encoder, prompts, device)
 
     def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor,
                  history: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -107,6 +101,18 @@ class ShapesStreamPipeline(DiffusionPipeline):
                                  encoder_hidden_states=embeds, return_dict=False, **history)[0]
         sigma = (timestep.float() / 1000.0).clamp(min=MIN_SIGMA)
         return (latents - clean) / sigma.view(-1, 1, 1, 1, 1).to(clean.dtype)
+
+
+def encode_prompts(tokenizer, text_encoder: T5EncoderModel, prompts: list[str],
+                   device=None) -> torch.Tensor:
+    """Prompt embeddings [B, 16, D] with padding positions zeroed (serving, and training with
+    its own or the EMA's text encoder)."""
+    toks = tokenizer(prompts, padding="max_length", max_length=MAX_PROMPT_TOKENS,
+                     truncation=True, return_tensors="pt")
+    device = device or text_encoder.device
+    mask = toks.attention_mask.to(device)
+    emb = text_encoder(toks.input_ids.to(device), attention_mask=mask)[0]
+    return emb * mask.unsqueeze(-1).to(emb.dtype)
 
 
 def history_indices(batch: int) -> dict[str, torch.Tensor]:

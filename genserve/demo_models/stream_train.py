@@ -39,6 +39,7 @@ from genserve.demo_models.stream_model import (
     MODEL_SIZE,
     STREAM_WEIGHTS_PATH,
     build_stream_pipeline,
+    encode_prompts,
     history_inputs,
     pack,
     unpack,
@@ -155,12 +156,7 @@ def sample_chunks(pipe, model, prompts: list[str], history: torch.Tensor, prefix
 
 
 def _encode(model, pipe, prompts: list[str]) -> torch.Tensor:
-    from genserve.demo_models.models import MAX_PROMPT_TOKENS
-
-    toks = pipe.tokenizer(prompts, padding="max_length", max_length=MAX_PROMPT_TOKENS,
-                          truncation=True, return_tensors="pt")
-    emb = model["text_encoder"](toks.input_ids, attention_mask=toks.attention_mask)[0]
-    return emb * toks.attention_mask.unsqueeze(-1).to(emb.dtype)
+    return encode_prompts(pipe.tokenizer, model["text_encoder"], prompts)
 
 
 def _fg_weight(target: torch.Tensor, scenes: list[world.Scene]) -> torch.Tensor:
