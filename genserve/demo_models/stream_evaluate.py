@@ -4,8 +4,9 @@
 
 Each stream follows a schedule: a held-out scene (`world.held_out`), then switches to other
 held-out scenes at chunk boundaries. Frames are read with the same image statistics as
-`scorer.py` (background, colour, shape by template IoU), after rolling each frame so the shape
-sits in the middle (on the torus it may be drawn across the border). Reported:
+`scorer.py` (background, shape by template IoU; colour by the median of the shape's pixels),
+after rolling each frame so the shape sits in the middle (on the torus it may be drawn across
+the border). Reported:
 
 - colour / shape / background: share of frames right, not counting the `SWITCH_GRACE` frames
   after a switch (that is what the switch latency measures);
@@ -86,7 +87,11 @@ def read_frame(frame: np.ndarray) -> FrameReading:
     # Roll the shape to the middle so a shape across the border reads whole.
     rolled = np.roll(frame, (h // 2 - int(centre[1]), w // 2 - int(centre[0])), axis=(0, 1))
     r = scorer.read_image(rolled)
-    return FrameReading(background, r.colour, r.shape, centre)
+    # The colour is the median of the shape's pixels, not their mean: the edges of a frame
+    # upscaled from 32x32 blend the colour into the background, and their mean takes a yellow
+    # shape on black for an orange one.
+    colour = scorer._nearest(np.median(img[mask], axis=0), world.COLOURS)
+    return FrameReading(background, colour, r.shape, centre)
 
 
 def score_stream(frames: np.ndarray, schedule: Schedule) -> dict:

@@ -79,7 +79,9 @@ class Example:
         for _ in range(chunks):
             plan.insert(0, plan[0] if rng.random() >= switch_prob
                         else scenes[rng.randrange(len(scenes))])
-        state = stream_world.StreamState.random(nrng)
+        started = k == chunks  # the first chunk drawn is the video's first
+        state = stream_world.StreamState.start() if started \
+            else stream_world.StreamState.random(nrng)
         per_frame = [s for s in plan[:-1] for _ in range(FRAMES_PER_CHUNK)]
         if per_frame:
             past, state = stream_world.render(per_frame, state, MODEL_SIZE)
@@ -96,7 +98,7 @@ class Example:
                                          MODEL_SIZE)
             self.prefix = _to_tensor(far)
         self.plan, self.state = plan, state
-        self.started = k == chunks  # the first chunk drawn is the video's first
+        self.started = started
         self.target_scene = plan[-1]
         self.target, _ = stream_world.render([plan[-1]] * FRAMES_PER_CHUNK, state, MODEL_SIZE)
         self.prompt = plan[-1].prompt()
@@ -135,7 +137,7 @@ def _batch_inputs(examples: list[Example], before_last: bool = False):
 @torch.no_grad()
 def sample_chunks(pipe, model, prompts: list[str], history: torch.Tensor, prefix: torch.Tensor,
                   steps: int, generator: torch.Generator | None = None,
-                  noise: torch.Tensor | None = None, autocast: bool = True) -> torch.Tensor:
+                  noise: torch.Tensor | None = None, autocast: bool = False) -> torch.Tensor:
     """Euler sampling of one chunk per row on the serving family's step grid (the same
     sigmas and x-to-velocity rule, so a roll-out is what serving would draw), from `noise` or
     fresh noise of `generator`; packed latents [B, C, 9, h, w]."""
@@ -193,7 +195,7 @@ def train(args: argparse.Namespace) -> None:
             rolls = examples[:n_roll]
             h, p = _batch_inputs(rolls, before_last=True)
             made = sample_chunks(pipe, run.ema, [ex.plan[-2].prompt() for ex in rolls], h, p,
-                                 args.rollout_steps, gen)
+                                 args.rollout_steps, gen, autocast=args.bf16)
             pix = ((unpack(made).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
             for ex, clip in zip(rolls, pix.permute(0, 2, 3, 4, 1).numpy()):
                 ex.retarget(clip)
@@ -215,7 +217,7 @@ def train(args: argparse.Namespace) -> None:
         xt = (1 - s) * x0 + s * noise
         prompts = ["" if rng.random() < PROMPT_DROPOUT else ex.prompt for ex in examples]
         run.set_lr()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             embeds = _encode(model, pipe, prompts)
             clean = model["transformer"](hidden_states=xt, timestep=sigma * 1000.0,
                                          encoder_hidden_states=embeds, return_dict=False,
@@ -257,6 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rollout-frac", type=float, default=0.0)
     p.add_argument("--rollout-steps", type=int, default=DEFAULT_STEPS)
     p.add_argument("--history-noise", type=float, default=0.1)
+    p.add_argument("--bf16", action="store_true",
+                   help="bf16 autocast (slower than fp32 for this small model on CPUs)")
     p.add_argument("--export-only", action="store_true",
                    help="export the checkpoint's EMA weights to --out without training")
     parse_and_train(p, argv, train)

@@ -71,7 +71,9 @@ def _model_name(args: argparse.Namespace, output: Path) -> str:
     if llm_paths:
         return llm_paths[0]
     video = getattr(args, "task", None) == TEXT_TO_VIDEO or output.suffix.lower() == ".mp4"
-    return default_model_for(TEXT_TO_VIDEO if video else TEXT_TO_IMAGE)
+    if video:
+        return default_model_for(TEXT_TO_VIDEO, getattr(args, "num_frames", None))
+    return default_model_for(TEXT_TO_IMAGE)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,13 +30,17 @@ _TINY_HELIOS = dict(default_width=64, default_height=64, default_steps=2, max_pi
                     default_guidance=1.0, default_fps=8)
 
 
-def _demo(name: str, task: str, kind: str, summary: str) -> NamedModel:
+def _demo(name: str, task: str, kind: str, summary: str, spec: dict | None = None) -> NamedModel:
     # The trained demo models: weights shipped in the package, their own pipeline class.
     cls = kind.capitalize()
     return NamedModel(
         name, "diffusion", task, "folder", f"{_DEMO}.models:{kind.upper()}_WEIGHTS_PATH",
         family=f"{_DEMO}.family:Shapes{cls}Family",
-        pipeline=f"{_DEMO}.pipeline:Shapes{cls}Pipeline", default=True, summary=summary)
+        pipeline=f"{_DEMO}.pipeline:Shapes{cls}Pipeline", spec=spec or {}, default=True,
+        summary=summary)
+
+
+_STREAM_FRAMES = 9 * 64  # one request's longest shapes-stream video (a realtime stream is endless)
 
 
 def _tiny(name: str, task: str, family: str, spec: dict, summary: str,
@@ -48,7 +52,14 @@ def _tiny(name: str, task: str, family: str, spec: dict, summary: str,
 
 ROWS = (
     _demo("shapes-image", TEXT_TO_IMAGE, "image", "trained demo model: the shapes grammar"),
-    _demo("shapes-video", TEXT_TO_VIDEO, "video", "trained demo model: the shapes grammar"),
+    _demo("shapes-video", TEXT_TO_VIDEO, "video", "trained demo model: the shapes grammar",
+          spec=dict(max_num_frames=16)),
+    NamedModel("shapes-stream", "diffusion", TEXT_TO_VIDEO, "folder",
+               f"{_DEMO}.stream_model:STREAM_WEIGHTS_PATH",
+               family=f"{_DEMO}.family:ShapesStreamFamily",
+               pipeline=f"{_DEMO}.stream_model:ShapesStreamPipeline",
+               spec=dict(max_num_frames=_STREAM_FRAMES), default=True,
+               summary="trained demo model: an endless shapes video that follows its prompt"),
     # Random weights: they exercise every code path of their family.
     _tiny("tiny-flux", TEXT_TO_IMAGE, "flux:FluxFamily",
           dict(_TINY_IMAGE, default_guidance=3.5), "random-weight FLUX.1"),
@@ -78,13 +89,12 @@ ROWS = (
           dict(_TINY_HELIOS), "random-weight Helios, pyramid stages"),
     _tiny("tiny-helios-distilled", TEXT_TO_VIDEO, "helios_pyramid:HeliosPyramidFamily",
           dict(_TINY_HELIOS, default_steps=1), "random-weight Helios, distilled (DMD)"),
-    # The streaming demo's architecture (a pixel-space Helios transformer) before training:
-    # its weights are not trained to the model card's targets yet (docs/benchmarks.md).
+    # shapes-stream's architecture with seeded random weights (fast to build, for tests).
     NamedModel("tiny-shapes-stream", "diffusion", TEXT_TO_VIDEO, "builder",
                f"{_DEMO}.stream_model:build_tiny_shapes_stream",
                family=f"{_DEMO}.family:ShapesStreamFamily",
                pipeline=f"{_DEMO}.stream_model:ShapesStreamPipeline",
-               spec=dict(max_num_frames=9 * 64),
+               spec=dict(max_num_frames=_STREAM_FRAMES),
                summary="random-weight shapes-stream (pixel-space Helios, streaming)"),
 )
 DIFFUSION_MODELS = NamedModelTable("diffusion", ROWS)
@@ -94,6 +104,11 @@ def default_model_names() -> tuple[str, ...]:
     return tuple(row.name for row in DIFFUSION_MODELS.defaults())
 
 
-def default_model_for(task: str) -> str:
-    """The default model serving `task` (`genserve generate` without --model)."""
-    return next(row.name for row in DIFFUSION_MODELS.defaults() if row.task == task)
+def default_model_for(task: str, num_frames: int | None = None) -> str:
+    """The default model serving `task` (`genserve generate` without --model): the first
+    default row of the task whose spec allows `num_frames` (a long video goes to the streaming
+    model), else the first of the task."""
+    rows = [row for row in DIFFUSION_MODELS.defaults() if row.task == task]
+    fits = [row for row in rows
+            if num_frames is None or num_frames <= row.spec.get("max_num_frames", num_frames)]
+    return (fits or rows)[0].name

@@ -13,7 +13,8 @@ from PIL import Image
 
 from genserve.demo_models import scorer, world
 from genserve.demo_models.models import DEFAULT_GUIDANCE
-from genserve.multimodal_gen.named_models import default_model_names
+from genserve.multimodal_gen.messages import TEXT_TO_IMAGE, TEXT_TO_VIDEO
+from genserve.multimodal_gen.named_models import default_model_for, default_model_names
 from tests.diffusion.helpers import error_of
 
 # Fixed held-out prompts and seeds; thresholds are loose (the full evaluation is
@@ -116,7 +117,12 @@ def test_same_seed_same_pixels_batched_or_alone(image_pipe):
 
 
 def test_default_models_are_the_demo_models():
-    assert default_model_names() == ("shapes-image", "shapes-video")
+    assert default_model_names() == ("shapes-image", "shapes-video", "shapes-stream")
+    # `genserve generate` picks by length: a clip, or an endless video's worth of frames.
+    assert default_model_for(TEXT_TO_VIDEO) == "shapes-video"
+    assert default_model_for(TEXT_TO_VIDEO, 16) == "shapes-video"
+    assert default_model_for(TEXT_TO_VIDEO, 300) == "shapes-stream"
+    assert default_model_for(TEXT_TO_IMAGE) == "shapes-image"
 
 
 def test_models_list_the_demo_models_with_their_grammar(http):
