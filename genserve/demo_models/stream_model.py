@@ -11,13 +11,14 @@ folder):
 There is no VAE: the working "latents" are the frames themselves, drawn at 32x32 and
 pixel-unshuffled 2x to [C=12, 16, 16] per frame (`pack` / `unpack`), so decoding is exact and
 costs nothing; the served 64x64 (or larger) frames are that picture upscaled bilinearly, as the
-other demo models do. The transformer predicts the clean chunk; `velocity` turns that into the
-flow the Helios scheduler steps with. (Why 32x32 and not 64x64 natively: docs/benchmarks.md.)
-The served chunk loop is `pipelines/helios.HeliosFamily`'s, through `family.ShapesStreamFamily`.
+other demo models do. The transformer sees each frame as 4x4 tokens of 8x8 pixels, with torus
+coordinates appended to its input channels (`with_coords`: rotary positions alone cannot place
+the first chunk). It predicts the clean chunk; `velocity` turns that into the flow the Helios
+scheduler steps with. (Why 32x32 and 8x8-pixel tokens: docs/benchmarks.md.) The served chunk
+loop is `pipelines/helios.HeliosFamily`'s, through `family.ShapesStreamFamily`.
 
-No trained weights ship yet: the runs so far fall short of the targets (docs/benchmarks.md), so
-the architecture is served as `tiny-shapes-stream` (seeded random weights) and
-`stream_train.py` exports a trained folder that `--diffusion-model-path` serves.
+The trained weights ship in `weights/shapes-stream` (default row `shapes-stream`, model card
+beside them); `tiny-shapes-stream` is the same architecture with seeded random weights.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ FRAMES_PER_CHUNK = 9
 HISTORY_SIZES = (16, 2, 1)  # long, mid, short windows (frames), as the Helios checkpoints
 DEFAULT_STEPS = 3
 MIN_SIGMA = 0.05  # x-prediction turns into a velocity by dividing by the noise level
+COORD_CHANNELS = 4  # sin and cos of x and of y on the torus (`with_coords`)
 TRANSFORMER_CONFIG = dict(
-    patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32,
-    in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, text_dim=TEXT_DIM, freq_dim=64,
-    ffn_dim=256, num_layers=3, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-    rope_dim=(8, 12, 12), has_multi_term_memory_patch=True, guidance_cross_attn=True,
-    zero_history_timestep=True)
+    patch_size=(1, 4, 4), num_attention_heads=4, attention_head_dim=32,
+    in_channels=LATENT_CHANNELS + COORD_CHANNELS, out_channels=LATENT_CHANNELS,
+    text_dim=TEXT_DIM, freq_dim=64, ffn_dim=256, num_layers=3, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", rope_dim=(8, 12, 12), has_multi_term_memory_patch=True,
+    guidance_cross_attn=True, zero_history_timestep=True)
 
 
 def pack(frames: torch.Tensor) -> torch.Tensor:
@@ -97,10 +99,39 @@ class ShapesStreamPipeline(DiffusionPipeline):
                  history: dict[str, torch.Tensor]) -> torch.Tensor:
         """The flow (noise - clean) at `timestep` [B] (sigma * 1000) from the transformer's
         clean-chunk prediction."""
-        clean = self.transformer(hidden_states=latents, timestep=timestep,
-                                 encoder_hidden_states=embeds, return_dict=False, **history)[0]
+        clean = predict_clean(self.transformer, latents, timestep, embeds, history)
         sigma = (timestep.float() / 1000.0).clamp(min=MIN_SIGMA)
         return (latents - clean) / sigma.view(-1, 1, 1, 1, 1).to(clean.dtype)
+
+
+def with_coords(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, F, h, w] -> [B, C + 4, F, h, w]: the latents with the torus coordinates of each
+    latent pixel appended (sin and cos of x, then of y, over one turn of the frame).
+
+    Helios places tokens by rotary embeddings, which tell attention only how far apart two
+    tokens are. A chunk that continues history is placed by that history; the first chunk of
+    a video has none, and without absolute coordinates every token would look alike, so the
+    model could not draw the shape where the world puts it (the centre) and would average
+    over places instead."""
+    b, _, f, h, w = latents.shape
+    ax = (torch.arange(w, device=latents.device, dtype=torch.float32) + 0.5) * (2 * torch.pi / w)
+    ay = (torch.arange(h, device=latents.device, dtype=torch.float32) + 0.5) * (2 * torch.pi / h)
+    grid = torch.stack([ax.sin().expand(h, w), ax.cos().expand(h, w),
+                        ay.sin()[:, None].expand(h, w), ay.cos()[:, None].expand(h, w)])
+    grid = grid.to(latents.dtype).view(1, COORD_CHANNELS, 1, h, w).expand(b, -1, f, -1, -1)
+    return torch.cat([latents, grid], dim=1)
+
+
+def predict_clean(transformer: HeliosTransformer3DModel, latents: torch.Tensor,
+                  timestep: torch.Tensor, embeds: torch.Tensor,
+                  history: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The transformer's clean-chunk prediction [B, C, F, h, w] for noisy `latents`, the
+    history windows (`history_inputs`) and prompt embeddings; coordinates are appended to the
+    chunk and to every history window (serving and training both call this)."""
+    inputs = {k: with_coords(v) if k.startswith("latents_history") else v
+              for k, v in history.items()}
+    return transformer(hidden_states=with_coords(latents), timestep=timestep,
+                       encoder_hidden_states=embeds, return_dict=False, **inputs)[0]
 
 
 def encode_prompts(tokenizer, text_encoder: T5EncoderModel, prompts: list[str],

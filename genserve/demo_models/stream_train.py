@@ -42,6 +42,7 @@ from genserve.demo_models.stream_model import (
     encode_prompts,
     history_inputs,
     pack,
+    predict_clean,
     unpack,
 )
 from genserve.demo_models.training import TrainingRun, parse_and_train, seed_and_work_dir
@@ -71,7 +72,7 @@ class Example:
 
     def __init__(self, rng: random.Random, nrng: np.random.Generator,
                  scenes: list[world.Scene], switch_prob: float, rollout: bool):
-        k = rng.choice([0, 1, 2, 3, 3, 3, 4, 4, 4]) if not rollout else rng.choice([1, 2, 3, 4])
+        k = rng.choice([0, 0, 1, 2, 3, 3, 4, 4]) if not rollout else rng.choice([1, 2, 3, 4])
         chunks = min(k, 3 + rollout)  # history chunks rendered (enough to fill the window)
         # Scenes chunk by chunk, from the target back: each earlier chunk keeps its
         # successor's scene unless the prompt switched between them.
@@ -150,8 +151,7 @@ def sample_chunks(pipe, model, prompts: list[str], history: torch.Tensor, prefix
     for s, s_next in zip(sigmas[:-1], sigmas[1:]):
         t = torch.full((b,), s * 1000.0)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            clean = model["transformer"](hidden_states=x, timestep=t, encoder_hidden_states=embeds,
-                                         return_dict=False, **inputs)[0].float()
+            clean = predict_clean(model["transformer"], x, t, embeds, inputs).float()
         v = (x - clean) / max(s, MIN_SIGMA)
         x = x + (s_next - s) * v
     return x
@@ -219,9 +219,8 @@ def train(args: argparse.Namespace) -> None:
         run.set_lr()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             embeds = _encode(model, pipe, prompts)
-            clean = model["transformer"](hidden_states=xt, timestep=sigma * 1000.0,
-                                         encoder_hidden_states=embeds, return_dict=False,
-                                         **history_inputs(history, prefix))[0]
+            clean = predict_clean(model["transformer"], xt, sigma * 1000.0, embeds,
+                                  history_inputs(history, prefix))
         loss = (weight * (clean.float() - x0) ** 2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()

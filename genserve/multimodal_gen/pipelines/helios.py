@@ -238,7 +238,7 @@ class HeliosFamily(DiffusionFamily):
 
         for s in streams:
             s.begin_chunk()
-        c, (_, _, _, h, w) = self.denoiser.config.in_channels, streams[0].history.shape
+        _, c, _, h, w = streams[0].history.shape  # the latent channels the history holds
         return torch.cat([
             randn_tensor((1, c, self.latents_per_chunk, h, w), generator=s.generator,
                          device=self.device, dtype=torch.float32) for s in streams])
