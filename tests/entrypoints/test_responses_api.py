@@ -184,6 +184,10 @@ def test_bad_input_in_openai_envelope(server, client, model):
     assert r.status_code == 400 and "input" in r.json()["error"]["message"]
     r = post({"model": model, "input": "hi", "tools": [{"type": "web_search_preview"}]})
     assert r.status_code == 400 and "web_search_preview" in r.json()["error"]["message"]
+    # The image_generation tool on a server without a diffusion model (--no-diffusion).
+    r = post({"model": model, "input": "a red circle", "tools": [{"type": "image_generation"}]})
+    assert r.status_code == 400 and "no diffusion model" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "image_generation_not_available"
     r = post({"model": model, "input": [{"type": "computer_call_output", "call_id": "x"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input.0"
     r = post({"model": model, "input": "hi", "previous_response_id": "resp_nope"})

@@ -47,11 +47,46 @@ class FunctionCallOutputItem(LenientModel):
 class FunctionTool(LenientModel):
     """A tool in the Responses flat shape: `{"type": "function", "name", "parameters"}`."""
 
-    type: str
+    type: Literal["function"]
     name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+
+class ImageGenerationTool(LenientModel):
+    """The built-in `{"type": "image_generation", ...}` tool (`image_tool.py`). `quality`,
+    `moderation` and `input_fidelity` are accepted and have no effect (a diffusion model has no
+    such knobs); options this server cannot honour are declared and answered with a 400 naming
+    them."""
+
+    type: Literal["image_generation"]
+    model: str | None = None  # a served text-to-image model; None = the first one
+    size: str | None = None  # "WIDTHxHEIGHT" or "auto" (the model's default)
+    output_format: str = "png"
+    output_compression: int | None = Field(default=None, ge=0, le=100)  # jpeg / webp quality
+    partial_images: int = Field(default=0, ge=0, le=3)
+    quality: Literal["low", "medium", "high", "xhigh", "max", "auto"] | None = None
+    background: Literal["transparent", "opaque", "auto"] | None = None  # transparent: a 400
+    action: Literal["generate", "edit", "auto"] | None = None  # edit: a 400
+    input_image_mask: dict[str, Any] | None = None
+    moderation: str | None = None
+    input_fidelity: str | None = None
+    # Extensions (the diffusion request's own fields).
+    seed: int | None = None
+    num_inference_steps: int | None = Field(default=None, ge=1)
+    guidance_scale: float | None = None
+    negative_prompt: str | None = None
+
+
+class ImageGenerationCallItem(LenientModel):
+    """An `image_generation_call` output item sent back as input: its picture is shown to the
+    model with the next user message."""
+
+    type: Literal["image_generation_call"]
+    id: str | None = None
+    result: str | None = None
+    output_format: str | None = None
 
 
 class TextFormat(LenientModel):
@@ -79,7 +114,9 @@ class ResponsesRequest(LenientModel):
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    tools: list[FunctionTool] | None = None
+    # Kept as dicts and read one by one in `translate.py` / `image_tool.py` (function tools,
+    # the built-in image_generation tool), so a bad tool is a 400 naming it (`tools.1: ...`).
+    tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None

@@ -1,5 +1,6 @@
 """POST /v1/responses (one Response object, or OpenAI's SSE event sequence), GET and DELETE
-/v1/responses/{id}, on the chat endpoint's preparation (`ChatServing.prepare`)."""
+/v1/responses/{id}, on the chat endpoint's preparation (`ChatServing.prepare`), or on the
+diffusion runtime when the built-in image_generation tool runs (`image_tool.py`)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,25 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from genserve.entrypoints import sse
-from genserve.entrypoints.errors import APIError, not_found
+from genserve.entrypoints.errors import APIError, bad_request, not_found
 from genserve.entrypoints.generation import GenerationGroup
 from genserve.entrypoints.openai_api import common
 from genserve.entrypoints.openai_api.serving_chat import PreparedChat
 from genserve.srt.messages import GenerateOutput
 
+from . import image_tool
+from .image_tool import ImageCall
 from .output import Event, OutputBuilder, length_limited
 from .protocol import ResponsesRequest
 from .store import ResponseStore, StoredResponse
-from .translate import input_messages, to_chat
+from .translate import (
+    PICTURES,
+    attach_pictures,
+    check_unsupported,
+    input_messages,
+    picture_url,
+    to_chat,
+)
 
 if TYPE_CHECKING:
     from genserve.entrypoints.state import GatewayState
@@ -45,14 +55,24 @@ def _assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
              for item in items if item["type"] == "function_call"]
     if calls:
         message["tool_calls"] = calls
+    pictures = [picture_url(item["result"], item["output_format"]) for item in items
+                if item["type"] == "image_generation_call" and item["result"]]
+    if pictures:
+        message[PICTURES] = pictures
     return message
+
+
+# A turn answered by the image_generation tool alone runs no LLM.
+NO_TOKENS = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0},
+             "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": 0}
 
 
 class _Turn:
     """One POST /v1/responses: its request, prepared chat and id, and how it ends (the
     Response object, stored unless `store` is false)."""
 
-    def __init__(self, body: ResponsesRequest, prep: PreparedChat,
+    def __init__(self, body: ResponsesRequest, prep: PreparedChat | None,
                  messages: list[dict[str, Any]], store: ResponseStore) -> None:
         self.body = body
         self.prep = prep
@@ -62,6 +82,7 @@ class _Turn:
         self.created_at = int(time.time())
 
     def builder(self) -> OutputBuilder:
+        assert self.prep is not None  # a turn that runs the LLM
         return OutputBuilder(self.prep.reasoning,
                              self.prep.plan.parser if self.prep.plan else None)
 
@@ -69,7 +90,7 @@ class _Turn:
                  out: GenerateOutput | None) -> dict[str, Any]:
         body = self.body
         fmt = body.text.format if body.text and body.text.format else None
-        usage = None
+        usage = NO_TOKENS if status == "completed" else None
         if out is not None:
             usage = {"input_tokens": out.prompt_tokens,
                      "input_tokens_details": {"cached_tokens": out.cached_tokens},
@@ -91,13 +112,13 @@ class _Turn:
                                 else {"type": "text"})},
             "tool_choice": (body.tool_choice if isinstance(body.tool_choice, str | None)
                             else body.tool_choice.model_dump(exclude_none=True)) or "auto",
-            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+            "tools": list(body.tools or []),
             "truncation": "disabled", "usage": usage, "user": body.user,
             "metadata": body.metadata or {},
         }
 
-    def finish(self, items: list[dict[str, Any]], out: GenerateOutput) -> dict[str, Any]:
-        status = "incomplete" if length_limited(out) else "completed"
+    def finish(self, items: list[dict[str, Any]], out: GenerateOutput | None) -> dict[str, Any]:
+        status = "incomplete" if out is not None and length_limited(out) else "completed"
         response = self.response(status, items, out)
         if self.body.store:
             self.store.put(self.id, StoredResponse(
@@ -135,6 +156,44 @@ class _Turn:
         finally:
             await group.close()
 
+    # -- a turn answered by the image_generation tool ---------------------------------------
+
+    async def image_full(self, call: ImageCall) -> dict[str, Any]:
+        try:
+            async for _ in call.events():
+                pass
+        finally:
+            await call.close()
+        return self.finish([call.item], None)
+
+    async def image_stream(self, call: ImageCall) -> AsyncIterator[bytes]:
+        """OpenAI's events of the tool: the item added, in_progress, generating, the partial
+        images, completed, the item done; then response.completed."""
+        seq = iter(range(1 << 62))
+
+        def emit(event: Event) -> bytes:
+            return sse.typed_event({**event, "sequence_number": next(seq)})
+
+        start = self.response("in_progress", [], None)
+        yield emit({"type": "response.created", "response": start})
+        yield emit({"type": "response.in_progress", "response": start})
+        yield emit({"type": "response.output_item.added", "output_index": call.output_index,
+                    "item": dict(call.item)})
+        yield emit({"type": "response.image_generation_call.in_progress", **call.where()})
+        yield emit({"type": "response.image_generation_call.generating", **call.where()})
+        try:
+            async for event in call.events():
+                yield emit(event)
+            yield emit({"type": "response.image_generation_call.completed", **call.where()})
+            yield emit({"type": "response.output_item.done", "output_index": call.output_index,
+                        "item": call.item})
+            yield emit({"type": "response.completed", "response": self.finish([call.item], None)})
+        except APIError as exc:
+            yield emit({"type": "error", "code": exc.code or exc.type, "message": exc.message,
+                        "param": exc.param})
+        finally:
+            await call.close()
+
 
 class ResponsesServing:
     """OpenAI's Responses API over the gateway's LLMs (one per app, `GatewayState`), with the
@@ -152,10 +211,40 @@ class ResponsesServing:
                 raise _unknown(body.previous_response_id, "previous_response_id")
             history = previous.messages
         messages = input_messages(body)
-        prep = await self.state.chat.prepare(to_chat(body, history, messages))
+        check_unsupported(body)
+        image = image_tool.plan(self.state, body, messages)
+        if image is not None:
+            self.state.resolve_llm(body.model)  # the conversation's model: 404 when unknown
+            return await self._draw(_Turn(body, None, [*history, *messages], self.store), image)
+        conversation, pictures = attach_pictures([*history, *messages])
+        if pictures:
+            self._check_vision(body.model)
+        prep = await self.state.chat.prepare(to_chat(body, conversation))
         turn = _Turn(body, prep, [*history, *messages], self.store)
         return await common.respond(self.state, prep.client, prep.reqs, request, body.stream,
                                     turn.full, turn.stream)
+
+    def _check_vision(self, model: str) -> None:
+        """400 unless `model` takes the pictures the conversation holds."""
+        client = self.state.resolve_llm(model)
+        if "image" in client.modalities:
+            return
+        vision = [c.model_name for c in self.state.llm_clients if "image" in c.modalities]
+        raise bad_request(
+            f"The conversation holds a picture made by the image_generation tool, and model "
+            f"{model!r} does not take image inputs; continue it with a vision model (served: "
+            f"{', '.join(vision) or 'none'}).", param="model", code="image_input_not_supported")
+
+    async def _draw(self, turn: _Turn, image: image_tool.ImagePlan) -> Response:
+        call = ImageCall(self.state, image, 0, turn.body.stream)
+        try:
+            await call.start()
+            if not turn.body.stream:
+                return JSONResponse(await turn.image_full(call))
+        except BaseException:
+            await call.close()
+            raise
+        return sse.response(turn.image_stream(call), on_close=call.close)
 
     def retrieve(self, response_id: str) -> JSONResponse:
         stored = self.store.get(response_id)
