@@ -17,8 +17,9 @@ the first chunk). It predicts the clean chunk; `velocity` turns that into the fl
 scheduler steps with. (Why 32x32 and 8x8-pixel tokens: docs/benchmarks.md.) The served chunk
 loop is `pipelines/helios.HeliosFamily`'s, through `family.ShapesStreamFamily`.
 
-The trained weights ship in `weights/shapes-stream` (default row `shapes-stream`, model card
-beside them); `tiny-shapes-stream` is the same architecture with seeded random weights.
+No trained weights ship yet: the runs so far fall short of the targets (docs/benchmarks.md), so
+the architecture is served as `tiny-shapes-stream` (seeded random weights) and
+`stream_train.py` exports a trained folder that `--diffusion-model-path` serves.
 """
 
 from __future__ import annotations

@@ -71,8 +71,13 @@ class Example:
     """One training chunk before packing (pixels [3, F, 64, 64] in [-1, 1])."""
 
     def __init__(self, rng: random.Random, nrng: np.random.Generator,
-                 scenes: list[world.Scene], switch_prob: float, rollout: bool):
-        k = rng.choice([0, 0, 1, 2, 3, 3, 4, 4]) if not rollout else rng.choice([1, 2, 3, 4])
+                 scenes: list[world.Scene], switch_prob: float, rollout: bool,
+                 first_frac: float = 0.25):
+        # k: chunks of the video before this one (0: this chunk opens the video).
+        if rollout:
+            k = rng.choice([1, 2, 3, 4])
+        else:
+            k = 0 if rng.random() < first_frac else rng.choice([1, 2, 3, 3, 4, 4])
         chunks = min(k, 3 + rollout)  # history chunks rendered (enough to fill the window)
         # Scenes chunk by chunk, from the target back: each earlier chunk keeps its
         # successor's scene unless the prompt switched between them.
@@ -189,8 +194,8 @@ def train(args: argparse.Namespace) -> None:
     while run.going():
         rng = run.rng
         n_roll = int(round(args.batch_size * args.rollout_frac))
-        examples = [Example(rng, nrng, scenes, args.switch_prob, rollout=i < n_roll)
-                    for i in range(args.batch_size)]
+        examples = [Example(rng, nrng, scenes, args.switch_prob, rollout=i < n_roll,
+                            first_frac=args.first_frac) for i in range(args.batch_size)]
         if n_roll:
             rolls = examples[:n_roll]
             h, p = _batch_inputs(rolls, before_last=True)
@@ -209,7 +214,7 @@ def train(args: argparse.Namespace) -> None:
         weight = _fg_weight(target_pix, [ex.target_scene for ex in examples])
         b = x0.shape[0]
         sigma = torch.rand(b)
-        grid = torch.rand(b) < 0.5
+        grid = torch.rand(b) < args.grid_frac
         picks = torch.randint(len(SERVING_SIGMAS), (int(grid.sum()),))
         sigma[grid] = torch.tensor(SERVING_SIGMAS)[picks]
         noise = torch.randn_like(x0)
@@ -255,6 +260,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cosine", action="store_true", help="decay the rate over this run")
     p.add_argument("--ema", type=float, default=0.995)
     p.add_argument("--switch-prob", type=float, default=0.3)
+    p.add_argument("--first-frac", type=float, default=0.25,
+                   help="share of examples that open a video (no history: the hardest chunk)")
+    p.add_argument("--grid-frac", type=float, default=0.5,
+                   help="share of examples noised to a serving step's level (else uniform)")
     p.add_argument("--rollout-frac", type=float, default=0.0)
     p.add_argument("--rollout-steps", type=int, default=DEFAULT_STEPS)
     p.add_argument("--history-noise", type=float, default=0.1)

@@ -117,11 +117,11 @@ def test_same_seed_same_pixels_batched_or_alone(image_pipe):
 
 
 def test_default_models_are_the_demo_models():
-    assert default_model_names() == ("shapes-image", "shapes-video", "shapes-stream")
-    # `genserve generate` picks by length: a clip, or an endless video's worth of frames.
+    assert default_model_names() == ("shapes-image", "shapes-video")
+    # `genserve generate` picks the first default whose frame limit fits, else the first one.
     assert default_model_for(TEXT_TO_VIDEO) == "shapes-video"
     assert default_model_for(TEXT_TO_VIDEO, 16) == "shapes-video"
-    assert default_model_for(TEXT_TO_VIDEO, 300) == "shapes-stream"
+    assert default_model_for(TEXT_TO_VIDEO, 300) == "shapes-video"
     assert default_model_for(TEXT_TO_IMAGE) == "shapes-image"
 
 

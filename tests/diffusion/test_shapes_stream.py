@@ -151,3 +151,30 @@ def test_training_resumes_and_exports_a_servable_folder(tmp_path):
     assert served.spec.streaming
     video = ev.run_streams(served, ev.held_out_schedules(1, 9, 9, switches=0), 9, steps=1)[0]
     assert video.shape == (9, 64, 64, 3)
+
+
+def test_videos_open_in_the_centre_and_the_transformer_reads_torus_coordinates():
+    """The world rule the first chunk relies on (a video opens with the shape in the centre,
+    one step along its direction) and the coordinate channels that let the transformer place
+    it: one turn of sin / cos across the frame, the same for every frame and row."""
+    import random
+
+    import torch
+
+    from genserve.demo_models import stream_model, stream_train
+
+    ex = stream_train.Example(random.Random(0), np.random.default_rng(0), [SCENE], 0.0,
+                              rollout=False, first_frac=1.0)
+    assert ex.past.shape[1] == 0 and ex.started
+    centre = ev.read_frame(ex.target[0]).centre  # 32x32 frames
+    assert centre == pytest.approx((16 + stream_world.SPEED / 2, 16), abs=0.5)
+    latents = torch.randn(2, stream_model.LATENT_CHANNELS, 3, 16, 16)
+    out = stream_model.with_coords(latents)
+    assert out.shape == (2, stream_model.LATENT_CHANNELS + stream_model.COORD_CHANNELS, 3, 16, 16)
+    assert torch.equal(out[:, :stream_model.LATENT_CHANNELS], latents)
+    coords = out[:, stream_model.LATENT_CHANNELS:]
+    assert torch.equal(coords[0, :, 0], coords[1, :, 2])
+    sin_x, cos_x, sin_y, cos_y = coords[0, :, 0]
+    assert torch.allclose(sin_x ** 2 + cos_x ** 2, torch.ones(16, 16))
+    assert torch.allclose(sin_x[0], sin_x[5]) and torch.allclose(sin_y[:, 0], sin_y[:, 7])
+    assert sin_x[0].sum().abs() < 1e-4 and cos_y[:, 0].sum().abs() < 1e-4  # one whole turn

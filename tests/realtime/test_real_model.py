@@ -14,7 +14,7 @@ import pytest
 import websockets
 from playwright import sync_api
 
-from genserve.demo_models import stream_world, world
+from genserve.demo_models import world
 from genserve.demo_models.scorer import score_video
 from genserve.entrypoints.app import create_app
 from genserve.entrypoints.config import GatewayConfig
@@ -130,11 +130,9 @@ def test_web_ui_plays_the_demo_video_model(real_server):
             page.wait_for_function(
                 "document.querySelector('#model option[value=\"shapes-video\"]') !== null",
                 timeout=30_000)
-            # The page starts on the streaming model; picking the clip model fills in its
-            # defaults and shows the prompts it understands; the prompt box holds one of them.
-            assert page.input_value("#model") == "shapes-stream"
-            page.select_option("#model", "shapes-video")
-            assert not page.is_checked("#continuous")
+            # The page chose the demo video model, filled in its defaults and shows the prompts
+            # it understands; the prompt box starts with one of them.
+            assert page.input_value("#model") == "shapes-video"
             assert page.input_value("#frames") == "16" and page.input_value("#fps") == "8"
             assert "moving {direction}" in page.text_content("#grammar")
             assert world.parse_prompt(page.input_value("#prompt")) is not None
@@ -171,88 +169,3 @@ def test_web_ui_plays_the_demo_video_model(real_server):
     assert len({s["check"] for s in samples}) >= 8, samples  # the shape moves
     assert readouts["chunk-time"].endswith("ms") and readouts["preview-latency"].endswith("ms")
     assert readouts["frame-bytes"] != "–"
-
-
-# Keeps the RGB pixels of the canvas after every final frame the page draws.
-_PIXELS = """
-() => {
-  const rt = window.genserveRealtime;
-  const canvas = document.getElementById("canvas");
-  const ctx = canvas.getContext("2d", { willReadFrequently: true });
-  window.__frames = [];
-  let seen = 0;
-  const tick = () => {
-    if (rt.stats.finalsDrawn > seen) {
-      seen = rt.stats.finalsDrawn;
-      const { data } = ctx.getImageData(0, 0, canvas.width, canvas.height);
-      const rgb = [];
-      for (let i = 0; i < data.length; i += 4) rgb.push(data[i], data[i + 1], data[i + 2]);
-      window.__frames.push({ width: canvas.width, height: canvas.height, rgb });
-    }
-    requestAnimationFrame(tick);
-  };
-  requestAnimationFrame(tick);
-}
-"""
-
-FIRST = "a red circle moving right on a black background"
-SWITCHED = "a blue square moving down on a white background"
-
-
-def test_web_ui_streams_the_default_model_through_a_prompt_switch(real_server):
-    """The page's default is the streaming model in continuous mode: one endless video. A new
-    prompt sent mid-stream changes what is drawn while the shape keeps its place: on the
-    canvas pixels, the shape's centre never jumps more than the continuity bound between
-    consecutive frames shown, and the last frames show the new prompt."""
-    from genserve.demo_models import stream_evaluate as ev
-
-    base, _ = real_server
-    with sync_api.sync_playwright() as pw:
-        browser = launch_chromium(pw)
-        try:
-            page = browser.new_page(viewport={"width": 1100, "height": 800})
-            errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(base + "/")
-            page.wait_for_selector("#connection[data-status=open]", timeout=30_000)
-            page.wait_for_function(
-                "document.querySelector('#model option[value=\"shapes-stream\"]') !== null",
-                timeout=30_000)
-            assert page.input_value("#model") == "shapes-stream"
-            assert page.is_checked("#continuous")
-            page.fill("#width", "64")
-            page.fill("#height", "64")
-            page.fill("#prompt", FIRST)
-            page.evaluate(_PIXELS)
-            page.click("#start")
-            page.wait_for_function("window.genserveRealtime.stats.finalsDrawn >= 27",
-                                   timeout=120_000)
-            page.fill("#prompt", SWITCHED)
-            page.click("#send-prompt")
-            page.wait_for_function(
-                "(window.genserveRealtime.stats.lastChunkStats || {}).prompt === "
-                + json.dumps(SWITCHED), timeout=120_000)
-            shown = page.evaluate("window.genserveRealtime.stats.finalsReceived")
-            page.wait_for_function(
-                f"window.genserveRealtime.stats.finalsDrawn >= {shown + 18}", timeout=120_000)
-            page.click("#stop")
-            frames = page.evaluate("window.__frames")
-            stats = page.evaluate("window.genserveRealtime.stats")
-        finally:
-            browser.close()
-    assert not errors and not stats["errors"], (errors, stats["errors"])
-    pictures = np.stack([np.array(f["rgb"], np.uint8).reshape(f["height"], f["width"], 3)
-                         for f in frames])
-    readings = [ev.read_frame(p) for p in pictures]
-    assert all(r.centre is not None for r in readings), "a frame without the shape"
-    width = pictures.shape[2]
-    for i, (a, b) in enumerate(zip(readings, readings[1:])):
-        step = np.hypot(stream_world.torus_delta(a.centre[0], b.centre[0], width),
-                        stream_world.torus_delta(a.centre[1], b.centre[1], width)) / width
-        assert step <= ev.MAX_STEP, f"a cut between frames {i} and {i + 1}"
-    first, switched = world.parse_prompt(FIRST), world.parse_prompt(SWITCHED)
-    assert all((r.colour, r.background) == (first.colour, first.background)
-               for r in readings[:18])
-    assert all((r.colour, r.shape, r.background)
-               == (switched.colour, switched.shape, switched.background)
-               for r in readings[-9:])
