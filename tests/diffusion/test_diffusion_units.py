@@ -393,8 +393,8 @@ def test_named_model_table_rows_resolve_and_agree_with_their_families():
     from genserve.named_models import locate, source_path
 
     assert DIFFUSION_MODELS.names() == [
-        "shapes-image", "shapes-video", "shapes-stream", "tiny-flux", "tiny-wan", "tiny-sd3", "tiny-sd",
-        "tiny-ltx", "tiny-sdxl", "tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v",
+        "shapes-image", "shapes-video", "shapes-stream", "tiny-flux", "tiny-wan", "tiny-sd3",
+        "tiny-sd", "tiny-ltx", "tiny-sdxl", "tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v",
         "tiny-qwen-image", "tiny-qwen-image-edit", "tiny-helios", "tiny-helios-pyramid",
         "tiny-helios-distilled", "tiny-shapes-stream"]
     assert default_model_names() == (*MODEL_NAMES.values(), "shapes-stream")
