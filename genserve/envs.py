@@ -49,6 +49,17 @@ GENSERVE_CACHE_DIR = _Path(
     "~/.cache/genserve",
     "Where converted weights (GGUF -> safetensors) and other derived files are cached.",
 )
+GENSERVE_COMPILE_CACHE = _Bool(
+    "GENSERVE_COMPILE_CACHE",
+    "1",
+    "Keep the compiled decode step's artifacts between starts (0 compiles afresh every start).",
+)
+GENSERVE_COMPILE_CACHE_DIR = _Str(
+    "GENSERVE_COMPILE_CACHE_DIR",
+    "",
+    "Where the compiled decode step's artifacts are kept, one folder per model, quantization "
+    "mode and torch version (empty: $GENSERVE_CACHE_DIR/compile).",
+)
 GENSERVE_LOG_LEVEL = _Str("GENSERVE_LOG_LEVEL", "info", "Logging level of every process.")
 GENSERVE_NUM_THREADS = _Int(
     "GENSERVE_NUM_THREADS", "0", "torch intra-op threads in worker processes (0 = torch default)."

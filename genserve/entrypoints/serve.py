@@ -126,17 +126,27 @@ def llm_engine_args(args: argparse.Namespace, path: str | None) -> Any:
 
 
 async def _start_llms(args: argparse.Namespace, clients: list[LLMEngineClient]) -> None:
-    """Start every LLM runtime, appending each to `clients` as soon as it runs: when a later
-    one fails to start, the caller still shuts down those already started (their processes
-    otherwise kept the failed server from exiting)."""
+    """Start every LLM runtime at once (each loads in its own process, so one model's load or
+    compile overlaps another's), then append those that run to `clients` in the order given:
+    when one fails to start, the caller still shuts down the others (their processes otherwise
+    kept the failed server from exiting), and the first failure is raised."""
     from genserve.srt.named_models import row_for_path
 
     AsyncEngine = import_async_engine()  # noqa: N806 (a class)
-    for path in args.model_path or default_llm_paths(getattr(args, "tp_size", None) or 1):
+
+    def start(path: str | None) -> LLMEngineClient:
         engine_args = llm_engine_args(args, path)
         logger.info("loading LLM %s", path or f"(embedded {row_for_path(None).name})")
-        engine = AsyncEngine(engine_args)
-        clients.append(engine)
+        return AsyncEngine(engine_args)
+
+    paths = args.model_path or default_llm_paths(getattr(args, "tp_size", None) or 1)
+    started = await asyncio.gather(*(asyncio.to_thread(start, p) for p in paths),
+                                   return_exceptions=True)
+    clients.extend(e for e in started if not isinstance(e, BaseException))
+    failures = [e for e in started if isinstance(e, BaseException)]
+    if failures:
+        raise failures[0]
+    for engine in clients:
         info = await engine.server_info()
         logger.info("LLM %r ready: context length %d, KV pool %s tokens", engine.model_name,
                     engine.context_length, info.get("max_total_tokens", "?"))

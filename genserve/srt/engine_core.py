@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from genserve.srt.chat_roles import chat_role_markers
+from genserve.srt.compile_cache import CompileCacheReport, DecodeCompileCache
 from genserve.srt.device import resolve_device
 from genserve.srt.encoder_runtime import EncoderRuntime
 from genserve.srt.model_config import ModelConfig
@@ -81,19 +82,40 @@ def context_length_for(args: EngineArgs, config: ModelConfig) -> int:
     return args.context_length
 
 
-def warm_up_compiled_decode(scheduler: Scheduler) -> None:
+def warm_up_compiled_decode(scheduler: Scheduler) -> CompileCacheReport:
     """Run one short greedy request so torch.compile builds the batch-1 decode graph at
-    start-up rather than on a user's first request; its cache entries are flushed after."""
+    start-up rather than on a user's first request; its cache entries are flushed after. The
+    compiled artifacts come from, or go to, the compile cache (genserve/srt/compile_cache.py)."""
     import time
 
+    runner = scheduler.runner
+    cache = DecodeCompileCache(runner.folder, {
+        "architecture": runner.config.architecture,
+        "quantization": runner.quantization,
+        "dtype": str(runner.dtype),
+        "device": runner.device.type,
+        "attention_backend": runner.attention_backend_name,
+        "max_total_tokens": runner.max_total_tokens,  # the KV pool's shape is in the graph
+    })
     start = time.perf_counter()
+    cache.load()
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     scheduler.add_request(make_tokenized_req([0, 1, 2, 3], params, rid="compile-warm-up"))
     while scheduler.has_work():
         scheduler.step()
     scheduler.flush_cache()
     scheduler.check_integrity()
-    logger.info("compile: decode step compiled in %.0f s", time.perf_counter() - start)
+    report = cache.finish()
+    seconds = time.perf_counter() - start
+    logger.info(
+        "compile: decode step compiled in %.1f s (compile cache %s%s)",
+        seconds,
+        "hit" if report.hit else "miss",
+        f", {report.path}" if report.path is not None else ", off",
+    )
+    runner.compile_report = {"cache_hit": report.hit, "cache_loaded": report.loaded,
+                             "seconds": round(seconds, 3)}
+    return report
 
 
 def build_runtime(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import logging
 import shutil
@@ -113,8 +114,10 @@ _COMPILED_MODELS = itertools.count()
 
 
 def _decode_forward(model: torch.nn.Module, fb: ForwardBatch) -> torch.Tensor:
-    """What `--compile` compiles: the model's forward."""
-    return model(fb)
+    """What `--compile` compiles: the model's forward, without its `inference_mode` decorator
+    (the runner's forward already runs in inference mode). A graph that enters inference mode
+    itself is one AOTAutograd's cache refuses to store, so every start would redo that stage."""
+    return inspect.unwrap(type(model).forward)(model, fb)
 
 
 def _own_decode_forward() -> types.FunctionType:
@@ -200,6 +203,8 @@ class ModelRunner:
         # Whether batch-1 decode steps run through torch.compile (`--compile`, resolved).
         self.compiled = self._want_compile(args.compile)
         self._compiled_decode = self._compile_decode() if self.compiled else None
+        # The warm-up compile's outcome: {cache_hit, cache_loaded, seconds} (engine_core).
+        self.compile_report: dict | None = None
 
     def _quantize(self, requested: str, source_precision: str | None) -> str:
         """Apply weight-only quantization; returns the mode the model runs in."""
@@ -315,7 +320,11 @@ class ModelRunner:
             fraction = self.args.mem_fraction or CPU_MEM_FRACTION
             budget = psutil.virtual_memory().available * fraction
         tokens = int(budget) // self.kv_bytes_per_token()
-        return max(256, min(tokens, _MAX_AUTO_TOKENS))
+        # Rounded down to a power of two: free memory differs a little from start to start,
+        # and the pool's size is a static shape of the compiled decode graph, so an exact
+        # size would give every start a new graph and defeat the compile cache.
+        tokens = max(256, min(tokens, _MAX_AUTO_TOKENS))
+        return 1 << (tokens.bit_length() - 1)
 
     def build_forward_batch(
         self,

@@ -245,20 +245,33 @@ def test_bad_image_to_video_is_400(http, live, files, says):
     assert not live[1]._inflight
 
 
-def test_lora_requests_apply_their_adapter_and_batch_together(http):
-    def gen(lora=None, seed=3):
+def test_lora_requests_apply_their_adapter_and_batch_together(http, live):
+    def gen(lora=None, seed=3, **kw):
         body = {"model": "tiny-flux", "prompt": "a red cat", "size": "32x32", "seed": seed,
-                "response_format": "b64_json", **FAST}
+                "response_format": "b64_json", **FAST, **kw}
         if lora is not None:
             body["lora"] = lora
         r = http.post("/v1/images/generations", json=body)
         assert r.status_code == 200, r.text
         return r.json()
 
+    def wait_for_depth(depth):
+        while client.queue_depth() < depth:
+            assert not blocker.done(), "the blocking request ended before the others queued"
+            time.sleep(0.01)
+
+    client = live[1]
     plain = _decode(gen()["data"][0])
     ink = _decode(gen({"ink": 1.0})["data"][0])
     assert not np.array_equal(plain, ink)
-    with ThreadPoolExecutor(4) as pool:
-        bodies = list(pool.map(lambda s: gen({"ink": 1.0}, seed=s), [3, 4, 5, 6]))
+    # A long request of another shape holds the worker while the four LoRA requests queue
+    # behind it (the queue depth says when), so they meet in the queue whatever the timing.
+    with ThreadPoolExecutor(5) as pool:
+        blocker = pool.submit(gen, size="64x64", num_inference_steps=40)
+        wait_for_depth(1)
+        futures = [pool.submit(gen, {"ink": 1.0}, s) for s in (3, 4, 5, 6)]
+        wait_for_depth(5)
+        bodies = [f.result() for f in futures]
+        assert blocker.result()["batch_size"] == 1
     assert np.array_equal(_decode(bodies[0]["data"][0]), ink)  # batched = alone
-    assert max(b["batch_size"] for b in bodies) >= 2
+    assert [b["batch_size"] for b in bodies] == [4, 4, 4, 4], [b["batch_size"] for b in bodies]

@@ -42,3 +42,41 @@ def test_explicit_quantization_leaves_the_demo_vl_model_unquantized():
     named = build_parser().parse_args(["serve", "--quantization", "int8wo",
                                        "--model-path", "shapes-vl"])
     assert llm_engine_args(named, "shapes-vl").quantization == "int8wo"
+
+
+def test_llms_start_at_once_in_order_and_a_failure_keeps_the_started(monkeypatch):
+    """Each runtime loads in its own process, so the gateway starts them together (a barrier
+    that every constructor must reach before any returns fails if they ran one after another);
+    the started ones stay in `clients` in the order given, for the caller to shut down."""
+    import argparse
+    import asyncio
+    import threading
+
+    from genserve.entrypoints import serve
+
+    barrier = threading.Barrier(3, timeout=20)
+
+    class Engine:
+        def __init__(self, args):
+            barrier.wait()
+            if args.model_path == "bad":
+                raise ValueError("no model in bad")
+            self.model_name, self.context_length = args.model_path, 8
+
+        async def server_info(self):
+            return {"max_total_tokens": 16}
+
+    monkeypatch.setattr(serve, "import_async_engine", lambda: Engine)
+    monkeypatch.setattr(serve, "llm_engine_args",
+                        lambda args, path: argparse.Namespace(model_path=path))
+    clients: list = []
+    args = argparse.Namespace(model_path=["a", "bad", "c"], tp_size=1)
+    with pytest.raises(ValueError, match="no model in bad"):
+        asyncio.run(serve._start_llms(args, clients))
+    assert [c.model_name for c in clients] == ["a", "c"]
+
+    barrier.reset()
+    clients = []
+    asyncio.run(serve._start_llms(argparse.Namespace(model_path=["c", "b", "a"], tp_size=1),
+                                  clients))
+    assert [c.model_name for c in clients] == ["c", "b", "a"]

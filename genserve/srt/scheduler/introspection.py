@@ -61,6 +61,7 @@ def scheduler_info(s: Scheduler) -> dict[str, Any]:
         "max_total_tokens": s.max_total_tokens,
         "quantization": s.runner.quantization,
         "compile": s.runner.compiled,
+        "compile_report": s.runner.compile_report,
         "available_tokens": free,
         "kv_used_tokens": used,
         "kv_usage": used / s.max_total_tokens,

@@ -1,0 +1,107 @@
+"""Start-to-first-token of `genserve serve` with its compiled decode step, first start vs restart.
+
+    cpulock python benchmarks/bench_compile_restart.py            # embedded SmolLM2, defaults
+    python benchmarks/bench_compile_restart.py -- --model-path F.gguf
+
+Starts `genserve serve --no-diffusion` (plus the flags after `--`) three times, one at a time,
+and measures from launching the process to the first streamed token of a chat request:
+- `first`: empty compile caches (genserve's and torch's own, both in fresh folders): the full
+  compile;
+- `restart`: the same caches again, as a second start on the same machine;
+- `restart_genserve_cache_only`: genserve's cache with torch's own cache folder fresh again (a
+  machine whose temporary folder was cleared), so only genserve's stored artifacts can hit.
+For each it reports the wall time, the warm-up compile's own time and whether the compile cache
+hit (the server's `compile_report`). `--rounds N` repeats the two restarts. Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def first_token(url: str, model: str) -> str:
+    body = {"model": model, "max_tokens": 8, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                if delta.get("content"):
+                    return delta["content"]
+    raise RuntimeError("the stream ended without a token")
+
+
+def start_once(flags: list[str], env: dict[str, str], timeout: float) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile("w+") as log:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-diffusion",
+             "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"the server did not come up: {log.read()[-3000:]}")
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.25)
+            healthy = time.perf_counter() - t0
+            info = httpx.get(url + "/get_server_info", timeout=30).json()
+            token = first_token(url, info["model_name"])
+            ttft = time.perf_counter() - t0
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        log.seek(0)
+        cache_lines = [ln.strip() for ln in log if "compile cache" in ln]
+    return {"start_to_first_token_s": round(ttft, 2), "start_to_healthy_s": round(healthy, 2),
+            "compile": info["compile"], "compile_report": info.get("compile_report"),
+            "first_token": token, "log": cache_lines[-1:]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=1, help="restart pairs measured")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("flags", nargs="*", help="extra `genserve serve` flags (after --)")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench_compile_restart_"))
+    env = {**os.environ, "GENSERVE_COMPILE_CACHE_DIR": str(work / "genserve"),
+           "TORCHINDUCTOR_CACHE_DIR": str(work / "torch0")}
+    out: dict = {"flags": args.flags, "first": start_once(args.flags, env, args.timeout),
+                 "restart": [], "restart_genserve_cache_only": []}
+    print(json.dumps({"first": out["first"]}), flush=True)
+    for r in range(args.rounds):
+        out["restart"].append(start_once(args.flags, env, args.timeout))
+        fresh = {**env, "TORCHINDUCTOR_CACHE_DIR": str(work / f"torch{r + 1}")}
+        out["restart_genserve_cache_only"].append(start_once(args.flags, fresh, args.timeout))
+        print(json.dumps({k: out[k][-1] for k in ("restart", "restart_genserve_cache_only")}),
+              flush=True)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
