@@ -1,12 +1,15 @@
 """Train `shapes-stream` on the endless shapes world and export it as a diffusers folder.
 
-    # the recipe of the committed model (docs/benchmarks.md has the run's figures)
-    python -m genserve.demo_models.stream_train --minutes 30
-    python -m genserve.demo_models.stream_train --minutes 15 --rollout-frac 0.3 --cosine
+    # the recipe under way (docs/benchmarks.md has the runs' figures; it resumes across runs)
+    python -m genserve.demo_models.stream_train --minutes 30 --batch-size 24 --lr 8e-4
+    python -m genserve.demo_models.stream_train --minutes 50 --batch-size 24 --lr 8e-4 \
+        --cosine --first-frac 0.4 --grid-frac 0.6 --rollout-frac 0.15
 
 Each example is one chunk of a stream: the frames before it (up to the history window, zeros
 before the video starts), the video's first frame (the prefix Helios keeps), and the chunk's
-prompt; the chunk's scene changes from the history's with `--switch-prob` (a prompt switch:
+prompt. `--first-frac` of the examples open a video (no history; the shape starts in the centre,
+`stream_world.StreamState.start`): that chunk is drawn from the prompt alone, the hardest one to
+learn. The chunk's scene changes from the history's with `--switch-prob` (a prompt switch:
 position and size continue, everything the prompt says changes). Rectified flow on the packed
 pixels: x_s = (1 - s) x0 + s noise, the transformer predicts x0 (stream_model.py), s drawn
 uniformly or from the serving step grids. Shape pixels weigh more in the loss.
