@@ -71,7 +71,7 @@ def _window(frames: torch.Tensor) -> torch.Tensor:
 
 
 class Example:
-    """One training chunk before packing (pixels [3, F, 64, 64] in [-1, 1])."""
+    """One training chunk before packing (pixels [3, F, 32, 32] in [-1, 1])."""
 
     def __init__(self, rng: random.Random, nrng: np.random.Generator,
                  scenes: list[world.Scene], switch_prob: float, rollout: bool,

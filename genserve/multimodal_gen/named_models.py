@@ -101,8 +101,8 @@ def default_model_names() -> tuple[str, ...]:
 
 def default_model_for(task: str, num_frames: int | None = None) -> str:
     """The default model serving `task` (`genserve generate` without --model): the first
-    default row of the task whose spec allows `num_frames` (a long video goes to the streaming
-    model), else the first of the task."""
+    default row of the task whose spec allows `num_frames` (so a long video can go to a
+    streaming model), else the first of the task."""
     rows = [row for row in DIFFUSION_MODELS.defaults() if row.task == task]
     fits = [row for row in rows
             if num_frames is None or num_frames <= row.spec.get("max_num_frames", num_frames)]
