@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import glob
 import logging
 import signal
 from collections.abc import Iterator
@@ -125,11 +126,21 @@ def llm_engine_args(args: argparse.Namespace, path: str | None) -> Any:
     return engine_args
 
 
+def _may_use_a_gpu(device: str) -> bool:
+    """Whether `--device` may put an LLM runtime on a GPU, decided without importing torch
+    (the gateway process stays torch-free): an explicit CUDA device, or `auto` on a machine
+    with an NVIDIA or AMD GPU device node."""
+    if device.startswith("cuda"):
+        return True
+    return device == "auto" and bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/kfd"))
+
+
 async def _start_llms(args: argparse.Namespace, clients: list[LLMEngineClient]) -> None:
-    """Start every LLM runtime at once (each loads in its own process, so one model's load or
-    compile overlaps another's), then append those that run to `clients` in the order given:
-    when one fails to start, the caller still shuts down the others (their processes otherwise
-    kept the failed server from exiting), and the first failure is raised."""
+    """Start every LLM runtime, appending those that run to `clients` in the order given: when
+    one fails to start, the caller still shuts down the others (their processes otherwise kept
+    the failed server from exiting), and the first failure is raised. Off a GPU they start at
+    once (each loads in its own process, so one model's load or compile overlaps another's);
+    on a GPU one after another (`_may_use_a_gpu`)."""
     from genserve.srt.named_models import row_for_path
 
     AsyncEngine = import_async_engine()  # noqa: N806 (a class)
@@ -140,12 +151,18 @@ async def _start_llms(args: argparse.Namespace, clients: list[LLMEngineClient]) 
         return AsyncEngine(engine_args)
 
     paths = args.model_path or default_llm_paths(getattr(args, "tp_size", None) or 1)
-    started = await asyncio.gather(*(asyncio.to_thread(start, p) for p in paths),
-                                   return_exceptions=True)
-    clients.extend(e for e in started if not isinstance(e, BaseException))
-    failures = [e for e in started if isinstance(e, BaseException)]
-    if failures:
-        raise failures[0]
+    if _may_use_a_gpu(getattr(args, "device", "auto")):
+        # Each runtime sizes its KV pool from the GPU's free memory once its weights are in:
+        # started together, every one of them would count the same free memory.
+        for path in paths:
+            clients.append(await asyncio.to_thread(start, path))
+    else:
+        started = await asyncio.gather(*(asyncio.to_thread(start, p) for p in paths),
+                                       return_exceptions=True)
+        clients.extend(e for e in started if not isinstance(e, BaseException))
+        failures = [e for e in started if isinstance(e, BaseException)]
+        if failures:
+            raise failures[0]
     for engine in clients:
         info = await engine.server_info()
         logger.info("LLM %r ready: context length %d, KV pool %s tokens", engine.model_name,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -70,13 +71,52 @@ def test_llms_start_at_once_in_order_and_a_failure_keeps_the_started(monkeypatch
     monkeypatch.setattr(serve, "llm_engine_args",
                         lambda args, path: argparse.Namespace(model_path=path))
     clients: list = []
-    args = argparse.Namespace(model_path=["a", "bad", "c"], tp_size=1)
+    args = argparse.Namespace(model_path=["a", "bad", "c"], tp_size=1, device="cpu")
     with pytest.raises(ValueError, match="no model in bad"):
         asyncio.run(serve._start_llms(args, clients))
     assert [c.model_name for c in clients] == ["a", "c"]
 
     barrier.reset()
     clients = []
-    asyncio.run(serve._start_llms(argparse.Namespace(model_path=["c", "b", "a"], tp_size=1),
-                                  clients))
+    asyncio.run(serve._start_llms(
+        argparse.Namespace(model_path=["c", "b", "a"], tp_size=1, device="cpu"), clients))
     assert [c.model_name for c in clients] == ["c", "b", "a"]
+
+
+def test_llms_on_a_gpu_start_one_after_another(monkeypatch):
+    """On a GPU each runtime sizes its KV pool from the card's free memory once its weights
+    are in, so the gateway starts them one at a time: no two constructors overlap, and a
+    failure stops the start with the earlier runtimes in `clients`."""
+    import argparse
+    import asyncio
+    import threading
+
+    from genserve.entrypoints import serve
+
+    running, overlaps, lock = [], [], threading.Lock()
+
+    class Engine:
+        def __init__(self, args):
+            with lock:
+                overlaps.append(len(running))
+                running.append(args.model_path)
+            time.sleep(0.05)
+            with lock:
+                running.remove(args.model_path)
+            if args.model_path == "bad":
+                raise ValueError("no model in bad")
+            self.model_name, self.context_length = args.model_path, 8
+
+        async def server_info(self):
+            return {"max_total_tokens": 16}
+
+    monkeypatch.setattr(serve, "import_async_engine", lambda: Engine)
+    monkeypatch.setattr(serve, "llm_engine_args",
+                        lambda args, path: argparse.Namespace(model_path=path))
+    clients: list = []
+    args = argparse.Namespace(model_path=["a", "b", "bad", "c"], tp_size=1, device="cuda:0")
+    with pytest.raises(ValueError, match="no model in bad"):
+        asyncio.run(serve._start_llms(args, clients))
+    assert [c.model_name for c in clients] == ["a", "b"]
+    assert overlaps == [0, 0, 0]  # "c" never started
+    assert serve._may_use_a_gpu("cuda") and not serve._may_use_a_gpu("cpu")
