@@ -39,6 +39,15 @@ def _cos(ours: list[list[float]], ref: torch.Tensor) -> float:
     return F.cosine_similarity(torch.tensor(ours), ref.float(), dim=-1).min().item()
 
 
+def _longest_text(tokenizer, limit: int) -> str:
+    """Repeated words whose tokens (special tokens included) are as many as fit in `limit`."""
+    n = limit
+    while len(tokenizer(" ".join(["cat"] * n))["input_ids"]) > limit:
+        n -= 1
+    assert len(tokenizer(" ".join(["cat"] * n))["input_ids"]) >= limit - 1  # "cat": <= 2 tokens
+    return " ".join(["cat"] * n)
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     base = tmp_path_factory.mktemp("embedders")
@@ -95,12 +104,19 @@ def test_qwen3_decoder_embedder_equals_sentence_transformers(folders):
 
 @pytest.mark.parametrize("name", ["bert-mean", "bert-cls", "xlmr-mean", "modernbert-mean"])
 def test_encoder_embedder_equals_sentence_transformers(folders, name):
-    ref = st.SentenceTransformer(str(folders[name])).encode(TEXTS, convert_to_tensor=True)
+    ref_model = st.SentenceTransformer(str(folders[name]))
+    ref = ref_model.encode(TEXTS, convert_to_tensor=True)
     with Engine(str(folders[name]), dtype="float32") as engine:
         ours = engine.encode(TEXTS)
         assert _cos(ours, ref) >= 0.9999
         if not read_pooling_spec(folders[name]).normalize:  # the raw pooled vectors
             assert torch.allclose(torch.tensor(ours), ref, atol=1e-4)
+        # Every folder takes 64 tokens (XLM-R: 66 positions, the first two before the padding
+        # id's); the longest input uses the last position rows, batched with a short one.
+        assert engine.model_info()["context_length"] == 64
+        longest = _longest_text(ref_model.tokenizer, 64)
+        pair = [longest, "paris"]
+        assert _cos(engine.encode(pair), ref_model.encode(pair, convert_to_tensor=True)) >= 0.9999
         with pytest.raises(ValueError, match="does not support `dimensions`"):
             engine.encode(TEXTS, dimensions=8)
         with pytest.raises(ValueError, match="context length"):
