@@ -45,6 +45,28 @@ def test_explicit_quantization_leaves_the_demo_vl_model_unquantized():
     assert llm_engine_args(named, "shapes-vl").quantization == "int8wo"
 
 
+def _fake_engines(monkeypatch, on_init):
+    """`serve` builds fake runtimes: each constructor calls `on_init(path)`, a path "bad"
+    fails to start, the others run."""
+    import argparse
+
+    from genserve.entrypoints import serve
+
+    class Engine:
+        def __init__(self, args):
+            on_init(args.model_path)
+            if args.model_path == "bad":
+                raise ValueError("no model in bad")
+            self.model_name, self.context_length = args.model_path, 8
+
+        async def server_info(self):
+            return {"max_total_tokens": 16}
+
+    monkeypatch.setattr(serve, "import_async_engine", lambda: Engine)
+    monkeypatch.setattr(serve, "llm_engine_args",
+                        lambda args, path: argparse.Namespace(model_path=path))
+
+
 def test_llms_start_at_once_in_order_and_a_failure_keeps_the_started(monkeypatch):
     """Each runtime loads in its own process, so the gateway starts them together (a barrier
     that every constructor must reach before any returns fails if they ran one after another);
@@ -57,19 +79,7 @@ def test_llms_start_at_once_in_order_and_a_failure_keeps_the_started(monkeypatch
 
     barrier = threading.Barrier(3, timeout=20)
 
-    class Engine:
-        def __init__(self, args):
-            barrier.wait()
-            if args.model_path == "bad":
-                raise ValueError("no model in bad")
-            self.model_name, self.context_length = args.model_path, 8
-
-        async def server_info(self):
-            return {"max_total_tokens": 16}
-
-    monkeypatch.setattr(serve, "import_async_engine", lambda: Engine)
-    monkeypatch.setattr(serve, "llm_engine_args",
-                        lambda args, path: argparse.Namespace(model_path=path))
+    _fake_engines(monkeypatch, lambda path: barrier.wait())
     clients: list = []
     args = argparse.Namespace(model_path=["a", "bad", "c"], tp_size=1, device="cpu")
     with pytest.raises(ValueError, match="no model in bad"):
@@ -95,24 +105,15 @@ def test_llms_on_a_gpu_start_one_after_another(monkeypatch):
 
     running, overlaps, lock = [], [], threading.Lock()
 
-    class Engine:
-        def __init__(self, args):
-            with lock:
-                overlaps.append(len(running))
-                running.append(args.model_path)
-            time.sleep(0.05)
-            with lock:
-                running.remove(args.model_path)
-            if args.model_path == "bad":
-                raise ValueError("no model in bad")
-            self.model_name, self.context_length = args.model_path, 8
+    def construct(path: str) -> None:
+        with lock:
+            overlaps.append(len(running))
+            running.append(path)
+        time.sleep(0.05)
+        with lock:
+            running.remove(path)
 
-        async def server_info(self):
-            return {"max_total_tokens": 16}
-
-    monkeypatch.setattr(serve, "import_async_engine", lambda: Engine)
-    monkeypatch.setattr(serve, "llm_engine_args",
-                        lambda args, path: argparse.Namespace(model_path=path))
+    _fake_engines(monkeypatch, construct)
     clients: list = []
     args = argparse.Namespace(model_path=["a", "b", "bad", "c"], tp_size=1, device="cuda:0")
     with pytest.raises(ValueError, match="no model in bad"):

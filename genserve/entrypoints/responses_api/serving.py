@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -130,16 +130,23 @@ class _Turn:
         builder.update(outs[0])
         return self.finish(builder.items, outs[0])
 
-    async def stream(self, group: GenerationGroup,
-                     events: AsyncIterator[tuple[int, GenerateOutput]]) -> AsyncIterator[bytes]:
+    def _open_stream(self) -> tuple[Callable[[Event], bytes], list[bytes]]:
+        """A stream's event writer (numbering events in order) and its opening events,
+        response.created and response.in_progress."""
         seq = iter(range(1 << 62))
 
         def emit(event: Event) -> bytes:
             return sse.typed_event({**event, "sequence_number": next(seq)})
 
         start = self.response("in_progress", [], None)
-        yield emit({"type": "response.created", "response": start})
-        yield emit({"type": "response.in_progress", "response": start})
+        return emit, [emit({"type": "response.created", "response": start}),
+                      emit({"type": "response.in_progress", "response": start})]
+
+    async def stream(self, group: GenerationGroup,
+                     events: AsyncIterator[tuple[int, GenerateOutput]]) -> AsyncIterator[bytes]:
+        emit, opening = self._open_stream()
+        for event in opening:
+            yield event
         builder = self.builder()
         try:
             async for _, out in events:
@@ -169,14 +176,9 @@ class _Turn:
     async def image_stream(self, call: ImageCall) -> AsyncIterator[bytes]:
         """OpenAI's events of the tool: the item added, in_progress, generating, the partial
         images, completed, the item done; then response.completed."""
-        seq = iter(range(1 << 62))
-
-        def emit(event: Event) -> bytes:
-            return sse.typed_event({**event, "sequence_number": next(seq)})
-
-        start = self.response("in_progress", [], None)
-        yield emit({"type": "response.created", "response": start})
-        yield emit({"type": "response.in_progress", "response": start})
+        emit, opening = self._open_stream()
+        for event in opening:
+            yield event
         yield emit({"type": "response.output_item.added", "output_index": call.output_index,
                     "item": dict(call.item)})
         yield emit({"type": "response.image_generation_call.in_progress", **call.where()})
