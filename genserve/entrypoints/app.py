@@ -20,6 +20,7 @@ from genserve.entrypoints.images.router import build_router as build_images_rout
 from genserve.entrypoints.middleware import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
+    HostCheckMiddleware,
     WebSocketOriginMiddleware,
 )
 from genserve.entrypoints.native.router import build_router as build_native_router
@@ -71,8 +72,8 @@ def create_app(
     for router in _routers(state):
         app.include_router(router)
 
-    # Middleware added last runs first: CORS (answers preflights) -> auth -> WebSocket origin
-    # -> body limit.
+    # Middleware added last runs first: Host check -> CORS (answers preflights) -> auth ->
+    # WebSocket origin -> body limit.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
     app.add_middleware(WebSocketOriginMiddleware, allowed_origins=config.cors_origins)
     if config.api_key is not None:
@@ -82,4 +83,6 @@ def create_app(
             CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
             allow_headers=["*"], allow_credentials="*" not in config.cors_origins,
         )
+    if config.allowed_hosts:
+        app.add_middleware(HostCheckMiddleware, allowed_hosts=config.allowed_hosts)
     return app

@@ -133,6 +133,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="Allow this browser origin (repeatable; CORS is off by default). "
                         "WebSockets from pages of other origins than the server's own are "
                         "refused unless allowed here.")
+    p.add_argument("--allowed-host", action="append", default=None, metavar="NAMES",
+                   help="Answer only requests whose Host header names one of these (comma "
+                        "separated, repeatable; '*.example.com' matches its subdomains, '*' "
+                        "any name). Default: with a loopback --host, only localhost names and "
+                        "that address, which closes DNS rebinding; otherwise no check.")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
     p.add_argument("--allowed-image-domains", action="append", default=None, metavar="HOSTS",
                    help="Vision models: fetch http(s) image URLs from these hosts (comma "

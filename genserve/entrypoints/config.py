@@ -14,6 +14,9 @@ class GatewayConfig:
     api_key: str | None = None
     # Bodies above this get 413 (images/edits uploads need a few MB).
     max_body_bytes: int = 32 * 1024 * 1024
+    # Host header names the server answers to (`--allowed-host`: exact, "*.suffix" or "*");
+    # empty = no check. `genserve serve` fills in loopback names when it binds loopback.
+    allowed_hosts: tuple[str, ...] = ()
     # Allowed CORS origins; empty = CORS off (no Access-Control headers at all).
     cors_origins: tuple[str, ...] = ()
     # Per LLM: requests the gateway holds at once (running + waiting in the engine). Beyond it
@@ -44,6 +47,9 @@ class GatewayConfig:
                 f"max_queued_requests must be >= 1 (or None for no limit), "
                 f"got {self.max_queued_requests}"
             )
+        if not isinstance(self.allowed_hosts, tuple) or not all(
+                isinstance(h, str) and h.strip() for h in self.allowed_hosts):
+            raise ValueError("allowed_hosts must be a tuple of non-empty host names")
         if not isinstance(self.cors_origins, tuple):
             raise ValueError("cors_origins must be a tuple of origins")
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):

@@ -39,11 +39,12 @@ from genserve.supervision import stop_process
 logger = logging.getLogger("genserve.dp")
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
-# Flags that configure the scale-out itself: they never reach a worker. The value is whether
-# the flag takes an argument.
+# Flags that configure the scale-out itself or the router's public address: they never reach
+# a worker (workers bind loopback and answer the router under their loopback names). The value
+# is whether the flag takes an argument.
 _SCALE_OUT_FLAGS = {"--dp": True, "--router-policy": True, "--router-arg": True,
                     "--register-with": True, "--advertise-url": True, "--port": True,
-                    "--host": True, "--no-diffusion": False}
+                    "--host": True, "--allowed-host": True, "--no-diffusion": False}
 _WORKER_START_TIMEOUT_S = 600.0
 _MAX_RESTART_DELAY_S = 30.0
 

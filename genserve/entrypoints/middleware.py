@@ -1,4 +1,5 @@
-"""ASGI middleware: API-key auth, the WebSocket origin check and the request body size limit.
+"""ASGI middleware: the Host check, API-key auth, the WebSocket origin check and the request
+body size limit.
 
 All are plain ASGI (not BaseHTTPMiddleware) so streaming responses pass through untouched.
 """
@@ -11,7 +12,7 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from genserve.entrypoints.errors import APIError, payload_too_large, unauthorized
+from genserve.entrypoints.errors import APIError, bad_request, payload_too_large, unauthorized
 
 # The only paths that stay open when an API key is set: probes (load balancers, Prometheus) and
 # the web UI's static files, which hold no secrets and which a browser cannot fetch with a
@@ -19,6 +20,66 @@ from genserve.entrypoints.errors import APIError, payload_too_large, unauthorize
 OPEN_PATHS = frozenset({"/health", "/metrics", "/"})
 OPEN_PREFIXES = ("/ui/",)
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+# The names a server bound to a loopback address answers to by default (`--allowed-host`):
+# `*.localhost` resolves to loopback in browsers (RFC 6761), so it cannot be rebound either.
+LOOPBACK_HOST_NAMES = ("localhost", "*.localhost", "127.0.0.1", "::1")
+
+
+def host_matches(host: str, allowed: tuple[str, ...]) -> bool:
+    """Whether a Host header's name (no port, lower case) is one of `allowed`: exact names,
+    `*.suffix` for any subdomain of suffix, or `*` for any name."""
+    for pattern in allowed:
+        if pattern == "*" or host == pattern:
+            return True
+        if pattern.startswith("*.") and host.endswith(pattern[1:]):
+            return True
+    return False
+
+
+def host_name(header: bytes) -> str | None:
+    """The name part of a Host header ("[::1]:8000" -> "::1"); None when it does not parse."""
+    text = header.decode("latin-1").strip().lower()
+    if not text or any(c in text for c in "/?#@ \t"):
+        return None
+    try:
+        parts = urlsplit("//" + text)
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        return None
+    return (parts.hostname or "").rstrip(".") or None
+
+
+class HostCheckMiddleware:
+    """Answers only requests whose `Host` header names one of the allowed hosts (HTTP 400, or a
+    refused WebSocket handshake, otherwise).
+
+    This closes DNS rebinding: a web page on attacker.example can make its own name resolve to
+    127.0.0.1 and then talk to a key-less local server as "same origin", so neither CORS nor the
+    WebSocket origin check sees anything foreign, but the browser still sends
+    `Host: attacker.example`. `genserve serve` turns the check on by default when it binds a
+    loopback address (`LOOPBACK_HOST_NAMES` plus the bound address)."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: tuple[str, ...]) -> None:
+        self.app = app
+        self._allowed = tuple(h.strip().lower().rstrip(".") for h in allowed_hosts)
+
+    def allows(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"host")
+        name = host_name(header) if header is not None else None
+        return name is not None and host_matches(name, self._allowed)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or self.allows(scope):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008,
+                        "reason": "Host header not allowed (see --allowed-host)"})
+            return
+        error = bad_request("The Host header names a host this server does not answer to; "
+                            "start it with --allowed-host NAME to allow one.",
+                            code="invalid_host")
+        await _send_error(send, error, None, scope.get("path", ""))
 
 
 class APIKeyMiddleware:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import glob
+import ipaddress
 import logging
 import signal
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from typing import Any
 
 from genserve import envs
 from genserve.entrypoints.config import GatewayConfig
+from genserve.entrypoints.middleware import LOOPBACK_HOST_NAMES
 from genserve.srt.client import LLMEngineClient
 
 logger = logging.getLogger("genserve.serve")
@@ -59,6 +61,20 @@ def engine_args_from(args: argparse.Namespace, model_path: str | None) -> Any:
     return EngineArgs(**kwargs)
 
 
+def allowed_hosts_for(bind: str, named: list[str] | None) -> tuple[str, ...]:
+    """The Host names the server answers to: those named by `--allowed-host`, else, for a
+    loopback bind address, the loopback names and the address itself (closing DNS rebinding on
+    the key-less local server), else any (a server on a public address is reached by names it
+    cannot know)."""
+    if named:
+        return tuple(n.strip() for arg in named for n in arg.split(",") if n.strip())
+    try:
+        loopback = ipaddress.ip_address(bind.strip("[]")).is_loopback
+    except ValueError:
+        loopback = bind.lower() in ("localhost", "localhost.")
+    return (*LOOPBACK_HOST_NAMES, bind.strip("[]").lower()) if loopback else ()
+
+
 def gateway_config_from(args: argparse.Namespace) -> GatewayConfig:
     # The waiting-queue limit is enforced at admission in the gateway, which counts every LLM
     # request it holds (running + waiting): past that a request gets 503 at once.
@@ -67,6 +83,7 @@ def gateway_config_from(args: argparse.Namespace) -> GatewayConfig:
         limit = args.max_queued_requests + args.max_running_requests
     return GatewayConfig(
         api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        allowed_hosts=allowed_hosts_for(args.host, args.allowed_host),
         cors_origins=tuple(args.cors_origin or ()), max_queued_requests=limit,
         served_model_names=tuple(args.served_model_name or ()),
         tool_call_parser=getattr(args, "tool_call_parser", None),

@@ -2,8 +2,9 @@
 the tiny-flux diffusion model): every route of the app's own route table, HTTP and WebSocket,
 refuses a missing or wrong key and serves the right one (only /health, /metrics and the web
 UI's static files stay open); the realtime WebSocket refuses cross-origin browser pages unless
-`--cors-origin` allows them; JSON endpoints refuse other content types; an image URL that
-resolves to a loopback address is never fetched (a real local HTTP server counts connections).
+`--cors-origin` allows them; a Host name other than loopback's is refused (DNS rebinding); JSON
+endpoints refuse other content types; an image URL that resolves to a loopback address is never
+fetched (a real local HTTP server counts connections).
 """
 
 from __future__ import annotations
@@ -151,6 +152,20 @@ def test_open_paths_do_not_lead_elsewhere(server):
             conn.close()
         assert r.status in (401, 404), (raw, r.status, text[:200])
         assert '"data"' not in text and "model_path" not in text, raw
+
+
+def test_a_rebound_host_name_is_refused(server):
+    """DNS rebinding: a page whose own name resolves to this loopback server sends its name as
+    Host; a server bound to loopback answers only its loopback names."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    port = server.rsplit(":", 1)[1]
+    for host in ("attacker.example", f"attacker.example:{port}", "127.0.0.1.nip.io"):
+        r = httpx.get(server + "/v1/models", headers={**auth, "Host": host}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host", host
+        assert "data" not in r.json()
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}"):
+        r = httpx.get(server + "/v1/models", headers={**auth, "Host": host}, timeout=30)
+        assert r.status_code == 200 and r.json()["data"], host
 
 
 def _ws(url: str, path: str, **headers: str):
