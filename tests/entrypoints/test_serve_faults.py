@@ -78,58 +78,71 @@ def kill_and_recover(url: str, name: str, start_long: Callable[[], httpx.Respons
     assert short().status_code == 200
 
 
-def test_gateway_without_torch_survives_killed_workers():
+@pytest.fixture(scope="module")
+def served():
+    """One server for every fault: the kills first, then SIGTERM ends it (the last test)."""
     # tiny-flux (random weights) takes long enough per step to be killed mid-request.
     with serve_subprocess("--model-path", str(GGUF), "--diffusion-model-path", "tiny-flux",
-                          "--shutdown-timeout", "10") as (proc, url):
-        assert torch_libraries(proc.pid) == []
-        names = list(runtimes(url))
-        llm = next(n for n in names if n != "diffusion")
-        assert "diffusion" in names
-        assert torch_libraries(runtimes(url)[llm]["pid"])  # the check can see torch
-
-        kill_and_recover(
-            url, llm, lambda: long_generate(url), lambda: in_flight(url) >= 1,
-            lambda: post(url, "/generate", {"text": "Hi", "sampling_params": {
-                "max_new_tokens": 4, "temperature": 0}}))
-        info = httpx.get(url + "/get_server_info", timeout=30).json()
-        assert info["integrity_error"] is None and info["runtime"]["state"] == "ready"
-        assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
-
-        image = {"prompt": "a red cat", "size": "128x128", "response_format": "b64_json"}
-        kill_and_recover(
-            url, "diffusion",
-            lambda: post(url, "/v1/images/generations", {**image, "num_inference_steps": 100,
-                                                         "n": 2}),
-            lambda: runtimes(url)["diffusion"]["queue_depth"] >= 1,
-            lambda: post(url, "/v1/images/generations", {**image, "num_inference_steps": 2}))
-        assert runtimes(url)["diffusion"]["integrity_error"] is None
-        assert httpx.get(url + "/get_server_info", timeout=30).json()["diffusion"][
-            "integrity_error"] is None
-        assert torch_libraries(proc.pid) == []
+                          "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)) as (proc, url):
+        yield proc, url
 
 
-@pytest.mark.parametrize("timeout_s, finishes", [(120, True), (1, False)])
-def test_sigterm_drains_then_exits_0(timeout_s, finishes):
-    # One LLM (not the default two): the drain is the gateway's, the same for any model.
-    with serve_subprocess("--no-diffusion", "--model-path", str(GGUF),
-                          "--shutdown-timeout", str(timeout_s)) as (proc, url):
-        (scheduler,) = runtimes(url).values()
-        scheduler_pid = scheduler["pid"]
-        tokens = 48 if finishes else 4000
-        with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(post, url, "/generate", {
-                "text": "Count: 1, 2,", "sampling_params": {
-                    "max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}})
-            wait_for(lambda: in_flight(url) >= 1, 120, "the request to start")
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(300) == 0
-            if finishes:  # the request in flight ran to its end
-                response = running.result(timeout=60)
-                assert response.status_code == 200, response.text
-                assert response.json()["meta_info"]["completion_tokens"] == tokens
-            else:  # cut at the deadline: the connection closes without a result
-                with pytest.raises(httpx.HTTPError):
-                    running.result(timeout=60).raise_for_status()
-        with pytest.raises(ProcessLookupError):  # and stopped its scheduler process
-            os.kill(scheduler_pid, 0)
+SHUTDOWN_TIMEOUT_S = 10
+
+
+def test_gateway_without_torch_survives_killed_workers(served):
+    proc, url = served
+    assert torch_libraries(proc.pid) == []
+    names = list(runtimes(url))
+    llm = next(n for n in names if n != "diffusion")
+    assert "diffusion" in names
+    assert torch_libraries(runtimes(url)[llm]["pid"])  # the check can see torch
+
+    kill_and_recover(
+        url, llm, lambda: long_generate(url), lambda: in_flight(url) >= 1,
+        lambda: post(url, "/generate", {"text": "Hi", "sampling_params": {
+            "max_new_tokens": 4, "temperature": 0}}))
+    info = httpx.get(url + "/get_server_info", timeout=30).json()
+    assert info["integrity_error"] is None and info["runtime"]["state"] == "ready"
+    assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
+
+    image = {"prompt": "a red cat", "size": "128x128", "response_format": "b64_json"}
+    kill_and_recover(
+        url, "diffusion",
+        lambda: post(url, "/v1/images/generations", {**image, "num_inference_steps": 100,
+                                                     "n": 2}),
+        lambda: runtimes(url)["diffusion"]["queue_depth"] >= 1,
+        lambda: post(url, "/v1/images/generations", {**image, "num_inference_steps": 2}))
+    assert runtimes(url)["diffusion"]["integrity_error"] is None
+    assert httpx.get(url + "/get_server_info", timeout=30).json()["diffusion"][
+        "integrity_error"] is None
+    assert torch_libraries(proc.pid) == []
+
+
+def test_sigterm_drains_then_exits_0(served):
+    """Two requests in flight at SIGTERM: the short one runs to its end within the shutdown
+    timeout, the long one is cut at the deadline (its connection closes without a result);
+    the gateway exits 0 and has stopped its scheduler."""
+    proc, url = served
+    llm = next(n for n in runtimes(url) if n != "diffusion")
+    scheduler_pid = runtimes(url)[llm]["pid"]
+
+    def generate(tokens: int) -> httpx.Response:
+        return post(url, "/generate", {"text": "Count: 1, 2,", "sampling_params": {
+            "max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}})
+
+    with ThreadPoolExecutor(2) as pool:
+        short = pool.submit(generate, 48)
+        cut = pool.submit(generate, 4000)
+        wait_for(lambda: in_flight(url) >= 2, 120, "both requests to start")
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(300) == 0
+        assert time.monotonic() - signalled < SHUTDOWN_TIMEOUT_S + 60
+        response = short.result(timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["meta_info"]["completion_tokens"] == 48
+        with pytest.raises(httpx.HTTPError):
+            cut.result(timeout=60).raise_for_status()
+    with pytest.raises(ProcessLookupError):  # and stopped its scheduler process
+        os.kill(scheduler_pid, 0)
