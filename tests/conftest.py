@@ -10,16 +10,60 @@ if shutil.which("nvidia-smi") is None:
 
 from genserve import envs  # noqa: E402
 
+# Session fixtures that start a server, an engine or a worker: the modules using one run in
+# the same pytest-xdist worker (see `pytest_collection_modifyitems`), so each starts once.
+SHARED_RUNTIMES = ("shared_real_server", "smol_engine", "server_url", "engine_backend",
+                   "diffusion_client")
+
+
+def _test_threads() -> int:
+    """torch threads for this test process and the servers it starts: GENSERVE_TEST_THREADS,
+    else, under `pytest -n N`, the cores split between the N workers (two workers each running
+    two threads on two cores slow each other many times over), else torch's default."""
+    threads = envs.GENSERVE_TEST_THREADS.get()
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if threads <= 0 and workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+    return threads
+
+
+_THREADS = _test_threads()
+if _THREADS > 0:
+    # Inherited by every server and worker process the tests start.
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+    os.environ["MKL_NUM_THREADS"] = str(_THREADS)
+
 
 def pytest_configure(config):
-    threads = envs.GENSERVE_TEST_THREADS.get()
-    if threads > 0:
+    if _THREADS > 0:
         import torch
 
-        torch.set_num_threads(threads)
+        torch.set_num_threads(_THREADS)
+
+
+def _xdist_groups(items) -> dict:
+    """Each test's xdist group: one per set of modules tied together by a shared runtime (a
+    module's tests always stay together: module fixtures start servers too)."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for item in items:
+        module = find(item.nodeid.split("::", 1)[0])
+        for name in SHARED_RUNTIMES:
+            if name in getattr(item, "fixturenames", ()):
+                parent[find("fixture:" + name)] = module
+    return {item.nodeid: find(item.nodeid.split("::", 1)[0]) for item in items}
 
 
 def pytest_collection_modifyitems(config, items):
+    groups = _xdist_groups(items)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
     try:
         import torch
 
