@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,39 +12,22 @@ from collections.abc import Iterator
 
 import httpx
 
+from genserve.bench.server_process import free_port as bench_free_port
 from genserve.supervision import stop_process
 
-# Under pytest-xdist each worker draws its servers' ports from its own block below Linux's
-# ephemeral range (32768 and up, where bind(0) and outgoing connections take theirs), so two
-# workers never pick the same port, nor one a port a `--dp` server takes next to its own.
-_PORT_BLOCK = 5000
+# Test servers take ports from a block below both the benchmarks' (`free_port`'s default) and
+# Linux's ephemeral range, one block per pytest-xdist worker, so two workers never pick the
+# same port, nor one a port a `--dp` server takes next to its own.
+_PORT_BLOCK = 1000
 _FIRST_PORT = 12000
 
 
 def free_port() -> int:
-    """A free loopback port: any (the kernel's pick) in a plain run, else one from this xdist
-    worker's block (a free run of 4 from there, for servers that take the ports above theirs)."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if not worker.removeprefix("gw").isdigit():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    low = _FIRST_PORT + int(worker.removeprefix("gw")) * _PORT_BLOCK
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(low, low + _PORT_BLOCK - 4)
-        if all(_bindable(port) for port in range(base, base + 4)):
-            return base
-    raise RuntimeError(f"no free port in {low}..{low + _PORT_BLOCK}")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
+    """A free loopback port of this test process's block, with the 3 above it free too (for
+    servers that take the ports above theirs)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    low = _FIRST_PORT + (int(worker) if worker.isdigit() else 0) % 8 * _PORT_BLOCK
+    return bench_free_port(low, low + _PORT_BLOCK, run=4)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -24,10 +25,27 @@ ROBUSTNESS_FLAGS = ("--dtype", "float32", "--context-length", "256", "--max-real
                     "2", "--shutdown-timeout", "10", "--no-compile")
 
 
-def free_port() -> int:
+def free_port(low: int = 20000, high: int = 32000, run: int = 1) -> int:
+    """A loopback port in [low, high) that is free, with the `run - 1` ports above it.
+
+    Not the kernel's bind(0) pick: that comes from the ephemeral range (32768 and up on Linux),
+    which every outgoing connection also draws from, and `genserve serve` binds its port only
+    after loading its models, so a busy machine could hand the port to a connection meanwhile."""
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(low, high - run + 1)
+        if all(_bindable(port) for port in range(base, base + run)):
+            return base
+    raise RuntimeError(f"no free run of {run} loopback ports in {low}..{high}")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 @dataclass
