@@ -27,6 +27,8 @@ class GenerateRequest:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     cache_salt: str | None = None
+    # The LoRA adapter (by name) the request runs under; None: the base model.
+    lora_path: str | None = None
     # Input-token logprobs from this prompt position on (SGLang's `logprob_start_len`); -1: none.
     logprob_start_len: int = -1
     # Token ids whose logprobs are reported at every input (from logprob_start_len) and output
@@ -176,6 +178,7 @@ class TokenizedGenerateReq:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     namespace: str = ""  # cache_salt: identical tokens in other namespaces never share KV
+    lora_name: str | None = None  # the LoRA adapter it runs under (None: the base model)
     arrival_time: float = 0.0
     logprob_start_len: int = -1  # see GenerateRequest
     token_ids_logprob: tuple[int, ...] | None = None
