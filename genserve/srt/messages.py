@@ -193,10 +193,12 @@ class AbortReq:
 
 @dataclass
 class ControlReq:
-    """flush_cache | server_info | check_integrity | shutdown; answered by a ControlResp."""
+    """flush_cache | server_info | check_integrity | shutdown | load_lora_adapter
+    {lora_name, lora_path} | unload_lora_adapter {lora_name}; answered by a ControlResp."""
 
     kind: str
     token: int = 0
+    payload: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
