@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from genserve import Engine
+from genserve.srt.lora import layers as lora_layers
 from genserve.srt.lora import make_lora_batch
 from tests.srt.hf_equality import TINY, save_tiny
 from tests.srt.test_speculative import repetitive
@@ -96,10 +97,18 @@ def test_make_lora_batch_groups_tokens_by_slot():
     assert b.segments == [(0, 0, 1), (1, 1, 5)]
     assert make_lora_batch([-1, -1], [1, 1], torch.device("cpu")) is None
     assert make_lora_batch([2, 2], [1, 3], torch.device("cpu")).identity  # type: ignore[union-attr]
+    masked = make_lora_batch([1, -1, 0], [2, 1, 1], torch.device("cpu"), num_slots=3)
+    assert masked is not None and masked.slot_mask is not None
+    # [tokens, slots, 1]: tokens 0-1 use slot 1, token 2 the base model, token 3 slot 0.
+    assert masked.slot_mask[:, :, 0].tolist() == [[0, 1, 0], [0, 1, 0], [0, 0, 0], [1, 0, 0]]
 
 
-def test_mixed_adapters_in_one_batch_equal_peft_merged(lora_setup):
+@pytest.mark.parametrize("dense_max_tokens", [0, 128], ids=["grouped", "masked"])
+def test_mixed_adapters_in_one_batch_equal_peft_merged(lora_setup, monkeypatch,
+                                                       dense_max_tokens):
     base, paths, refs = lora_setup
+    # Both forms of the LoRA matmuls: grouped by segment, and all slots masked per token.
+    monkeypatch.setattr(lora_layers, "DENSE_MAX_TOKENS", dense_max_tokens)
     # The adapters change the model: otherwise the comparison below proves nothing.
     assert refs["all"][0][0] != refs[None][0][0] and refs["qv"][0][0] != refs[None][0][0]
     engine = Engine(str(base), lora_paths=_lora_args(paths), **ENGINE)

@@ -6,7 +6,10 @@ Each adapted layer keeps, for every slot of the adapter pool, A [S * r, in] and 
 pair of matmuls gives every shard its own delta. Ranks below r are zero-padded (exact).
 
 A forward groups the batch's tokens by slot (`LoRABatch`): one gather of the adapted tokens,
-two matmuls per adapter present, one scatter-add onto the base layer's output.
+two matmuls per adapter present, one scatter-add onto the base layer's output. A small batch
+(decode steps) instead runs every slot at once: x times all slots' A, each token's other slots
+masked to zero, times all slots' B; two matmuls and no per-adapter launches, at the price of
+computing the (small) low-rank products of slots a token does not use.
 """
 
 from __future__ import annotations
@@ -27,12 +30,19 @@ class LoRABatch:
     perm: torch.Tensor
     segments: list[tuple[int, int, int]]
     identity: bool
+    # Small batches: [tokens, slots, 1] one-hot of each token's slot (zeros for the base model),
+    # in the model's dtype; None: grouped by segment.
+    slot_mask: torch.Tensor | None = None
 
 
-def make_lora_batch(slots: list[int], extend_lens: list[int], device: torch.device
-                    ) -> LoRABatch | None:
+# Up to this many tokens in a forward, every slot runs on every token (masked) in two matmuls.
+DENSE_MAX_TOKENS = 128
+
+
+def make_lora_batch(slots: list[int], extend_lens: list[int], device: torch.device,
+                    num_slots: int = 0, dtype: torch.dtype = torch.float32) -> LoRABatch | None:
     """Per-request slots (-1: base model) and new-token counts -> the token grouping; None
-    when no request uses an adapter."""
+    when no request uses an adapter. `num_slots` > 0 allows the masked all-slots form."""
     starts, acc = [], 0
     for n in extend_lens:
         starts.append(acc)
@@ -52,7 +62,13 @@ def make_lora_batch(slots: list[int], extend_lens: list[int], device: torch.devi
         segments.append((slot, begin, pos))
     identity = len(segments) == 1 and pos == acc
     perm = torch.cat(pieces).to(device)
-    return LoRABatch(perm, segments, identity)
+    mask = None
+    if not identity and 0 < acc <= DENSE_MAX_TOKENS and num_slots > 0:
+        per_token = torch.tensor(slots).repeat_interleave(torch.tensor(extend_lens))
+        mask = torch.zeros(acc, num_slots + 1, dtype=dtype)  # column num_slots: the base model
+        mask[torch.arange(acc), torch.where(per_token >= 0, per_token, num_slots)] = 1
+        mask = mask[:, :num_slots, None].to(device)
+    return LoRABatch(perm, segments, identity, mask)
 
 
 class LoRALayer:
@@ -64,14 +80,15 @@ class LoRALayer:
         self.rank = rank
         s = geo.num_shards
         self.A = torch.zeros(num_slots, s * rank, geo.in_features, device=device, dtype=dtype)
-        self.B = torch.zeros(num_slots, geo.out_features, s * rank, device=device, dtype=dtype)
+        # [out, slots, S r]: all slots' B side by side is one [out, slots * S r] matrix.
+        self.B = torch.zeros(geo.out_features, num_slots, s * rank, device=device, dtype=dtype)
         self.active = [False] * num_slots  # slot holds an adapter that adapts this layer
 
     def grow_rank(self, rank: int) -> None:
         """Re-lay the buffers for a larger pool rank, keeping what every slot holds."""
         old, s = self.rank, self.geo.num_shards
         A = self.A.new_zeros(self.A.shape[0], s * rank, self.A.shape[2])
-        B = self.B.new_zeros(self.B.shape[0], self.B.shape[1], s * rank)
+        B = self.B.new_zeros(self.B.shape[0], self.B.shape[1], s * rank)  # [out, slots, S r]
         for k in range(s):
             A[:, k * rank : k * rank + old] = self.A[:, k * old : (k + 1) * old]
             B[:, :, k * rank : k * rank + old] = self.B[:, :, k * old : (k + 1) * old]
@@ -80,13 +97,13 @@ class LoRALayer:
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
         """Put `adapter`'s weights of this layer in `slot` (zeros where it does not adapt it)."""
         self.A[slot].zero_()
-        self.B[slot].zero_()
+        self.B[:, slot].zero_()
         parts = adapter.weights.get(self.geo.name, [])
         r = self.rank
         for k, offset, rows, a, b in parts:
             n = a.shape[0]
             self.A[slot, k * r : k * r + n] = a.to(self.A.dtype)
-            self.B[slot, offset : offset + rows, k * r : k * r + n] = b.to(self.B.dtype)
+            self.B[offset : offset + rows, slot, k * r : k * r + n] = b.to(self.B.dtype)
         self.active[slot] = bool(parts)
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
@@ -98,9 +115,15 @@ class LoRALayer:
         x = x.to(self.A.dtype)  # a quantized base layer may compute in another dtype
         if batch.identity:
             slot = segments[0][0]
-            out.add_(((x @ self.A[slot].t()) @ self.B[slot].t()).to(out.dtype))
+            out.add_(((x @ self.A[slot].t()) @ self.B[:, slot].t()).to(out.dtype))
+            return
+        if batch.slot_mask is not None:
+            n, slots = x.shape[0], self.A.shape[0]
+            xa = (x @ self.A.view(-1, self.A.shape[2]).t()).view(n, slots, -1)  # [n, slots, Sr]
+            delta = (xa * batch.slot_mask).view(n, -1) @ self.B.view(self.B.shape[0], -1).t()
+            out.add_(delta.to(out.dtype))
             return
         xs = x.index_select(0, batch.perm)  # [adapted tokens, in], grouped by slot
         for slot, start, end in segments:
-            delta = (xs[start:end] @ self.A[slot].t()) @ self.B[slot].t()
+            delta = (xs[start:end] @ self.A[slot].t()) @ self.B[:, slot].t()
             out.index_add_(0, batch.perm[start:end], delta.to(out.dtype))

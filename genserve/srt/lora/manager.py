@@ -154,7 +154,7 @@ class LoRAManager:
     # ---- forwards ---------------------------------------------------------------------------
 
     def make_batch(self, slots: list[int], extend_lens: list[int]) -> LoRABatch | None:
-        return make_lora_batch(slots, extend_lens, self.device)
+        return make_lora_batch(slots, extend_lens, self.device, len(self.slots), self.dtype)
 
     def info(self) -> dict[str, Any]:
         return {
