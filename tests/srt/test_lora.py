@@ -250,3 +250,37 @@ def test_speculative_decoding_verifies_under_each_requests_adapter(lora_setup):
         engine.check_integrity()
     finally:
         engine.shutdown()
+
+
+def test_abort_and_retraction_release_adapter_pins(lora_setup):
+    from genserve.srt.sampling import SamplingParams
+    from genserve.srt.tokenizer_manager import make_tokenized_req
+
+    base, paths, _ = lora_setup
+    sampling = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    prompts = [PROMPTS[0], PROMPTS[2][:20], PROMPTS[0][::-1]]
+    loras = ["all", "qv", "all"]
+    roomy = Engine(str(base), lora_paths=_lora_args(paths), **ENGINE)
+    want = [r["output_ids"] for r in roomy.generate(input_ids=prompts, sampling_params=sampling,
+                                                     lora_path=loras)]
+    roomy.shutdown()
+    # A pool too small for all three: requests are retracted (pins released) and come back.
+    engine = Engine(str(base), lora_paths=_lora_args(paths),
+                    **{**ENGINE, "max_total_tokens": 96})
+    try:
+        got = engine.generate(input_ids=prompts, sampling_params=sampling, lora_path=loras)
+        assert [r["output_ids"] for r in got] == want
+        assert engine.server_info()["stats"]["retractions"] > 0
+        engine.check_integrity()
+        sched = engine.scheduler
+        params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+        sched.add_request(make_tokenized_req(prompts[1], params, rid="x", lora_name="qv"))
+        sched.step()
+        assert engine.server_info()["lora"]["adapters"]["qv"]["pins"] == 1
+        sched.abort("x")
+        while sched.has_work():
+            sched.step()
+        assert engine.server_info()["lora"]["adapters"]["qv"]["pins"] == 0
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
