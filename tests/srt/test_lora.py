@@ -284,3 +284,31 @@ def test_abort_and_retraction_release_adapter_pins(lora_setup):
         engine.check_integrity()
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("family", ["phi3", "qwen2"])
+def test_other_families_equal_peft_merged(family, tmp_path):
+    """Phi-3 stores q/k/v and gate/up fused in its checkpoint (PEFT adapts the fused
+    qkv_proj and gate_up_proj); Qwen2's q/k/v carry biases."""
+    import transformers as tf
+
+    if family == "phi3":
+        cfg = tf.Phi3Config(**TINY, tie_word_embeddings=False)
+        cls, targets = tf.Phi3ForCausalLM, ["qkv_proj", "gate_up_proj", "o_proj"]
+    else:
+        cfg = tf.Qwen2Config(**TINY, tie_word_embeddings=False)
+        cls, targets = tf.Qwen2ForCausalLM, ["k_proj", "v_proj", "up_proj", "down_proj"]
+    base = save_tiny(cls, cfg, tmp_path / "base", seed=5)
+    adapter = make_adapter(base, tmp_path / "lora", 4, 8, targets, False, seed=5)
+    want = [hf_greedy(merged_model(base, m), ids)[0]
+            for m, ids in ((adapter, PROMPTS[0]), (None, PROMPTS[1]), (adapter, PROMPTS[2]))]
+    assert want[0] != hf_greedy(merged_model(base, None), PROMPTS[0])[0]
+    engine = Engine(str(base), lora_paths=[f"x={adapter}"], **ENGINE)
+    sampling = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    try:
+        got = engine.generate(input_ids=PROMPTS, sampling_params=sampling,
+                              lora_path=["x", None, "x"])
+        assert [r["output_ids"] for r in got] == want
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
