@@ -78,6 +78,15 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
                    help="ngram: shortest context suffix that may match (default 2).")
     g.add_argument("--speculative-ngram-max-match-window-size", type=int, default=None,
                    help="ngram: longest context suffix tried first (default 6).")
+    g.add_argument("--lora-paths", nargs="+", action="extend", default=None,
+                   metavar="NAME=PATH",
+                   help="PEFT LoRA adapter folders served at start-up (repeatable). A request "
+                        "selects one by name: lora_path on /generate, model NAME or "
+                        "BASE:NAME on the OpenAI API.")
+    g.add_argument("--max-loaded-loras", type=int, default=None,
+                   help="Adapters held in the model's LoRA slots at once (default 4, or the "
+                        "number of --lora-paths); the least recently used unpinned one "
+                        "leaves when another is needed.")
     g.add_argument("--max-images-per-request", type=int, default=None,
                    help="Vision models: images one request may carry (default 16).")
     g.add_argument("--image-cache-bytes", type=int, default=None,

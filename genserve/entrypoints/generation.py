@@ -43,6 +43,17 @@ async def tokenize(client: LLMEngineClient, text: str) -> list[int]:
     return await asyncio.to_thread(client.tokenize, text)
 
 
+def check_adapter(client: LLMEngineClient, lora: str | None, param: str) -> None:
+    """400 naming a LoRA adapter the model does not serve (None: the base model)."""
+    if lora is None:
+        return
+    loaded = client.lora_adapters()
+    if lora not in loaded:
+        raise bad_request(f"Unknown LoRA adapter {lora!r}; loaded adapters of "
+                          f"{client.model_name!r}: {', '.join(sorted(loaded)) or 'none'}.",
+                          param=param, code="lora_adapter_not_found")
+
+
 def check_context(client: LLMEngineClient, prompt_len: int, max_new_tokens: int | None,
                   max_tokens_name: str = "max_new_tokens") -> None:
     """400 when the prompt, or prompt + output budget, does not fit the context."""

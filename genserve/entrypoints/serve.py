@@ -54,10 +54,12 @@ def engine_args_from(args: argparse.Namespace, model_path: str | None) -> Any:
                  "grammar_backend", "max_images_per_request", "image_cache_bytes",
                  "quantization", "compile", "tp_size", "speculative_algorithm",
                  "speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
-                 "speculative_ngram_max_match_window_size"):
+                 "speculative_ngram_max_match_window_size", "max_loaded_loras"):
         value = getattr(args, name, None)
         if value is not None:  # else the runtime's default
             kwargs[name] = value
+    if getattr(args, "lora_paths", None):
+        kwargs["lora_paths"] = tuple(args.lora_paths)
     return EngineArgs(**kwargs)
 
 
@@ -140,6 +142,11 @@ def llm_engine_args(args: argparse.Namespace, path: str | None) -> Any:
         logger.info("%s (%s) decodes without speculation: --speculative-algorithm applies to "
                     "text models", row.name, row.summary)
         engine_args = dataclasses.replace(engine_args, speculative_algorithm=None)
+    if (not args.model_path and row is not None and row.task == "vision chat"
+            and engine_args.lora_paths):
+        logger.info("%s (%s) serves no LoRA adapters: --lora-paths applies to text models",
+                    row.name, row.summary)
+        engine_args = dataclasses.replace(engine_args, lora_paths=())
     return engine_args
 
 

@@ -117,6 +117,22 @@ class GatewayState:
             raise model_not_found(model, self.llm_names())
         return client
 
+    def resolve_llm_adapter(self, model: str | None) -> tuple[LLMEngineClient, str | None]:
+        """(the LLM, its LoRA adapter or None) that an OpenAI `model` names: a served model,
+        "BASE:ADAPTER", or an adapter's own name (the first LLM serving one of that name)."""
+        if not model or model in self._by_name:
+            return self.resolve_llm(model), None
+        base, sep, adapter = model.partition(":")
+        if sep and base in self._by_name:
+            client = self._by_name[base]
+            if adapter in client.lora_adapters():
+                return client, adapter
+        for client in self.llm_clients:
+            if model in client.lora_adapters():
+                return client, model
+        names = self.llm_names() + [a for c in self.llm_clients for a in c.lora_adapters()]
+        raise model_not_found(model, names)
+
     @contextmanager
     def admit(self, client: LLMEngineClient, count: int = 1) -> Iterator[None]:
         """Hold `count` queue slots of this LLM for the duration; 503 at once when full."""

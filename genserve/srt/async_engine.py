@@ -98,6 +98,7 @@ class AsyncEngine(LLMEngineClient):
         self._info["modalities"] = list(self.modalities)
         self.context_length = int(ready["context_length"])
         self.generation_defaults = dict(ready.get("generation_defaults") or {})
+        self._lora: dict[str, str] = dict(ready.get("lora_adapters") or {})
         self.supervisor.started(pid)
 
     def _spawn(self, args: EngineArgs) -> tuple[int, dict[str, Any]]:
@@ -233,6 +234,9 @@ class AsyncEngine(LLMEngineClient):
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
                 f"exceeds the context length ({self.context_length})"
             )
+        if req.lora_path is not None and req.lora_path not in self._lora:
+            loaded = ", ".join(sorted(self._lora)) or "none"
+            raise ValueError(f"unknown LoRA adapter {req.lora_path!r} (loaded: {loaded})")
         tok_req = make_tokenized_req(
             ids,
             params,
@@ -244,6 +248,7 @@ class AsyncEngine(LLMEngineClient):
             logprob_start_len=req.logprob_start_len,
             token_ids_logprob=req.token_ids_logprob,
             mm_inputs=mm_inputs,
+            lora_name=req.lora_path,
         )
         if tok_req.rid in self._states:
             raise ValueError(f"request id {tok_req.rid!r} is already running")
@@ -341,14 +346,34 @@ class AsyncEngine(LLMEngineClient):
         self._link.outbox.put(AbortReq(rid))
         return True
 
-    async def _call(self, kind: str, timeout: float = 30.0) -> ControlResp:
+    def lora_adapters(self) -> dict[str, str]:
+        return dict(self._lora)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str]:
+        return await self._lora_call("load_lora_adapter",
+                                     {"lora_name": lora_name, "lora_path": lora_path})
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
+        return await self._lora_call("unload_lora_adapter", {"lora_name": lora_name})
+
+    async def _lora_call(self, kind: str, payload: dict[str, Any]) -> dict[str, str]:
+        resp = await self._call(kind, 120.0, payload)
+        if not resp.ok:
+            raise ValueError(resp.payload.get("error", f"{kind} failed"))
+        self._lora = dict(resp.payload["adapters"])
+        # A restarted scheduler process loads the adapters served now.
+        self.args = replace(self.args, lora_paths=tuple(f"{n}={p}" for n, p in self._lora.items()))
+        return dict(self._lora)
+
+    async def _call(self, kind: str, timeout: float = 30.0,
+                    payload: dict[str, Any] | None = None) -> ControlResp:
         self._bind_loop()
         if self._dead:
             raise EngineDeadError(self._dead)
         token = next(self._tokens)
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._control[token] = fut
-        self._link.outbox.put(ControlReq(kind, token))
+        self._link.outbox.put(ControlReq(kind, token, payload or {}))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:

@@ -58,6 +58,19 @@ class LLMEngineClient(ABC):
         `mm_inputs` to put in the GenerateRequest. ValueError names a bad image or count."""
         raise ValueError(f"model {self.model_name!r} does not take image inputs")
 
+    def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters requests may select, name -> path (none by default)."""
+        return {}
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str]:
+        """Load a PEFT adapter folder under `lora_name`; returns the adapters then loaded.
+        ValueError (a 400) names why it cannot (unknown folder, a mismatch with the model)."""
+        raise ValueError(f"model {self.model_name!r} does not serve LoRA adapters")
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
+        """Forget an adapter; ValueError when it is unknown or requests use it."""
+        raise ValueError(f"model {self.model_name!r} does not serve LoRA adapters")
+
     @abstractmethod
     async def abort(self, rid: str) -> bool:
         """Abort a running or queued request; False if it is unknown."""

@@ -61,13 +61,16 @@ class Engine:
         logprob_start_len: int = -1,
         token_ids_logprob: list[int] | None = None,
         image_data: Any = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict]:
         """Returns one result dict ({text, output_ids, meta_info}) for a single prompt with
         n == 1, else a list (prompt-major, n results per prompt). Raises ValueError on bad
         input. With return_logprob and logprob_start_len >= 0, meta_info also scores the prompt
         tokens from that position on (`input_token_logprobs`, SGLang's shape). image_data
         (vision models): per prompt an image or a list of images, each encoded bytes, a data
-        URL or base64; one per image placeholder of the prompt."""
+        URL or base64; one per image placeholder of the prompt. lora_path: the name of a
+        loaded LoRA adapter (SGLang's field), or one name (or None: the base model) per
+        prompt."""
         if self.pooling is not None:
             raise ValueError("this is an embedding / rerank model: use encode() or rerank()")
         prompts, single = self._normalize(prompt, input_ids)
@@ -80,8 +83,15 @@ class Engine:
             param_list = sampling_params
         else:
             param_list = [sampling_params] * len(prompts)
+        if isinstance(lora_path, list):
+            if len(lora_path) != len(prompts):
+                raise ValueError(f"got {len(lora_path)} lora_path entries for {len(prompts)} "
+                                 "prompts")
+            lora_list = lora_path
+        else:
+            lora_list = [lora_path] * len(prompts)
         reqs: list[TokenizedGenerateReq] = []
-        for ids, sp, mm in zip(prompts, param_list, mm_list):
+        for ids, sp, mm, lora in zip(prompts, param_list, mm_list, lora_list):
             params = SamplingParams.from_dict(sp, self.runtime.config.generation_defaults)
             if params.n > 1:
                 single = False
@@ -90,7 +100,7 @@ class Engine:
                     make_tokenized_req(
                         ids, p, None, False, return_logprob, top_logprobs_num, cache_salt,
                         logprob_start_len=logprob_start_len,
-                        token_ids_logprob=token_ids_logprob, mm_inputs=mm,
+                        token_ids_logprob=token_ids_logprob, mm_inputs=mm, lora_name=lora,
                     )
                 )
         outputs = self._run(reqs)
@@ -228,6 +238,20 @@ class Engine:
                 raise ValueError(out.error or "a request ended without a result")
             vectors.append(out.embedding)
         return vectors
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Register the PEFT adapter folder `lora_path` as `lora_name` (ValueError names what
+        does not fit the model)."""
+        from genserve.srt.lora.scheduling import load_adapter_into
+
+        load_adapter_into(self.scheduler, lora_name, lora_path)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Forget an adapter; ValueError when it is unknown or in use."""
+        from genserve.srt.lora.scheduling import unload_adapter
+
+        sched = self.scheduler
+        unload_adapter(sched.lora, sched.runner.lora_refusal, sched.reqs, lora_name)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

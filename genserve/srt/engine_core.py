@@ -70,6 +70,8 @@ class Runtime:
             "modalities": ["text", "image"] if cfg.multimodal else ["text"],
             "hidden_size": cfg.hidden_size,
             "pooling": self.runner.pooling.to_dict() if self.runner.pooling else None,
+            "lora_adapters": ({n: a.path for n, a in self.runner.lora.adapters.items()}
+                              if self.runner.lora is not None else {}),
         }
 
 

@@ -10,6 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from genserve.srt.layers.attention.base import AttentionBackend
+    from genserve.srt.lora.layers import LoRABatch
     from genserve.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 
@@ -50,6 +51,8 @@ class ForwardBatch:
     # token embeddings of image placeholders, and M-RoPE positions [3, num_tokens] int64.
     image_embeds: list[tuple[int, torch.Tensor]] | None = None
     mrope_positions: torch.Tensor | None = None
+    # Multi-LoRA: which rows use which adapter slot (None: the base model for every row).
+    lora: LoRABatch | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -27,6 +27,8 @@ class GenerateRequest:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     cache_salt: str | None = None
+    # The LoRA adapter (by name) the request runs under; None: the base model.
+    lora_path: str | None = None
     # Input-token logprobs from this prompt position on (SGLang's `logprob_start_len`); -1: none.
     logprob_start_len: int = -1
     # Token ids whose logprobs are reported at every input (from logprob_start_len) and output
@@ -176,6 +178,7 @@ class TokenizedGenerateReq:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     namespace: str = ""  # cache_salt: identical tokens in other namespaces never share KV
+    lora_name: str | None = None  # the LoRA adapter it runs under (None: the base model)
     arrival_time: float = 0.0
     logprob_start_len: int = -1  # see GenerateRequest
     token_ids_logprob: tuple[int, ...] | None = None
@@ -190,10 +193,12 @@ class AbortReq:
 
 @dataclass
 class ControlReq:
-    """flush_cache | server_info | check_integrity | shutdown; answered by a ControlResp."""
+    """flush_cache | server_info | check_integrity | shutdown | load_lora_adapter
+    {lora_name, lora_path} | unload_lora_adapter {lora_name}; answered by a ControlResp."""
 
     kind: str
     token: int = 0
+    payload: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from genserve.srt.forward_batch import ForwardBatch, ForwardMode
 from genserve.srt.layers.attention.base import AttentionBackend
 from genserve.srt.layers.parallel import check_tp_experts, check_tp_size, split_heads
 from genserve.srt.layers.quantization import choose_quantization, quantize_model
+from genserve.srt.lora import LoRAManager
 from genserve.srt.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from genserve.srt.model_config import ModelConfig
 from genserve.srt.models.base import CausalLM, ModelKernels
@@ -171,6 +172,11 @@ class ModelRunner:
         self.kernels = choose_kernels(args, self.device, get_model_class(config.architecture))
         self.model = load_model(config, folder, self.device, self.dtype, self.kernels, self.tp,
                                 pooled=pooling is not None)
+        # Multi-LoRA: the adapter pool (None, and why, where adapters are not served). Its
+        # layer geometry is read before quantization replaces the linear layers.
+        self.lora_refusal = self._lora_refusal(args, pooling)
+        self.lora = None if self.lora_refusal else LoRAManager(
+            self.model, args.lora_slots(), self.device, self.dtype)
         self.quantization = self._quantize(args.quantization, source_precision)
         if backend == "triton":
             unsupported = [
@@ -203,8 +209,26 @@ class ModelRunner:
         # Whether batch-1 decode steps run through torch.compile (`--compile`, resolved).
         self.compiled = self._want_compile(args.compile)
         self._compiled_decode = self._compile_decode() if self.compiled else None
+        if self.compiled:
+            self.lora, self.lora_refusal = None, "the decode step is compiled (--compile)"
+        for entry in args.lora_paths if self.lora is not None else ():
+            name, _, path = entry.partition("=")
+            self.lora.add(name, path)  # type: ignore[union-attr]
         # The warm-up compile's outcome: {cache_hit, cache_loaded, seconds} (engine_core).
         self.compile_report: dict | None = None
+
+    def _lora_refusal(self, args: EngineArgs, pooling: PoolingSpec | None) -> str | None:
+        """Why this model serves no LoRA adapters, or None when it does."""
+        why = None
+        if self.tp.size > 1:
+            why = "tensor parallelism (--tp > 1) does not support them yet"
+        elif pooling is not None:
+            why = "an embedding model takes no adapters"
+        elif self.config.multimodal:
+            why = f"the vision-language model {self.config.architecture} takes no adapters yet"
+        if why is not None and args.lora_paths:
+            raise ValueError(f"--lora-paths: {why}")
+        return why
 
     def _quantize(self, requested: str, source_precision: str | None) -> str:
         """Apply weight-only quantization; returns the mode the model runs in."""
@@ -238,6 +262,8 @@ class ModelRunner:
             return False  # an embedder never decodes: there is no decode step to compile
         if requested is not None:
             return requested
+        if self.args.lora_paths:
+            return False  # the compiled step has no LoRA path
         if self.device.type != "cpu" or self.tp.size > 1:
             return False
         if self.quantization not in ("int8wo", "int4wo"):
@@ -336,9 +362,11 @@ class ModelRunner:
         out_cache_loc: torch.Tensor,
         image_embeds: list[tuple[int, torch.Tensor]] | None = None,
         mrope_positions: torch.Tensor | None = None,
+        lora_slots: list[int] | None = None,
     ) -> ForwardBatch:
         """input_ids: the new tokens of every request, concatenated request after request.
-        image_embeds / mrope_positions: see `ForwardBatch` (vision-language models only)."""
+        image_embeds / mrope_positions: see `ForwardBatch` (vision-language models only).
+        lora_slots: each request's adapter slot (-1: the base model)."""
         dev = self.device
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         starts, acc = [], 0
@@ -369,6 +397,8 @@ class ModelRunner:
             logits_indices=start_loc + ext - 1,
             image_embeds=image_embeds,
             mrope_positions=mrope_positions,
+            lora=self.lora.make_batch(lora_slots, extend_lens)
+            if self.lora is not None and lora_slots is not None else None,
         )
 
     @torch.inference_mode()
@@ -379,6 +409,8 @@ class ModelRunner:
 
             self.tp_workers.send(forward_inputs(fb))
         self.attn_backend.init_forward_metadata(fb)
+        if self.lora is not None:
+            self.lora.batch = fb.lora  # what the adapted layers' hooks read in this forward
         if (
             self._compiled_decode is not None
             and fb.mode is ForwardMode.DECODE

@@ -68,8 +68,14 @@ class EngineArgs:
     # Serve a registry decoder (Qwen3, Llama...) as a last-token-pooling embedder even when its
     # folder has no sentence-transformers pooling config (SGLang's --is-embedding).
     is_embedding: bool = False
+    # Multi-LoRA: PEFT adapters served at start-up, "NAME=PATH" each (requests select one by
+    # name), and how many adapters sit in the model's slot buffers at once (None: 4, or more
+    # when more are given); least recently used unpinned ones leave their slot.
+    lora_paths: tuple[str, ...] = ()
+    max_loaded_loras: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_lora()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
@@ -137,3 +143,30 @@ class EngineArgs:
             raise ValueError("--compile is not supported with --tp > 1 yet; drop one of them")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+
+    def _check_lora(self) -> None:
+        paths = self.lora_paths
+        if isinstance(paths, str) or not all(isinstance(p, str) for p in paths):
+            raise ValueError(f"lora_paths must be a list of NAME=PATH strings, got {paths!r}")
+        object.__setattr__(self, "lora_paths", tuple(paths))
+        names = []
+        for entry in self.lora_paths:
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-paths takes NAME=PATH, got {entry!r}")
+            names.append(name)
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-paths names must differ, got {names}")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < 1:
+            raise ValueError(f"max_loaded_loras must be >= 1, got {self.max_loaded_loras}")
+        if self.lora_paths and self.tp_size > 1:
+            raise ValueError("LoRA adapters (--lora-paths) are not supported with --tp > 1 yet")
+        if self.lora_paths and self.compile:
+            raise ValueError("LoRA adapters (--lora-paths) are not supported with --compile "
+                             "(the compiled decode step has no LoRA path); drop one of them")
+
+    def lora_slots(self) -> int:
+        """How many adapters the slot buffers hold (--max-loaded-loras, resolved)."""
+        if self.max_loaded_loras is not None:
+            return self.max_loaded_loras
+        return max(4, len(self.lora_paths))

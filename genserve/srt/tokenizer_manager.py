@@ -75,6 +75,7 @@ def make_tokenized_req(
     logprob_start_len: int = -1,
     token_ids_logprob: list[int] | None = None,
     mm_inputs: MultimodalInputs | None = None,
+    lora_name: str | None = None,
 ) -> TokenizedGenerateReq:
     if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
         raise ValueError(f"top_logprobs_num must be an integer in [0, 20], got {top_logprobs_num}")
@@ -87,6 +88,8 @@ def make_tokenized_req(
             f"logprob_start_len ({logprob_start_len}) must be -1 (no input logprobs) or a prompt "
             f"position in [0, {len(input_ids)})"
         )
+    if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
+        raise ValueError(f"lora_path must be the name of a loaded LoRA adapter, got {lora_name!r}")
     if logprob_start_len >= 0 and not return_logprob:
         raise ValueError("logprob_start_len needs return_logprob: true")
     ids_logprob = None
@@ -113,6 +116,7 @@ def make_tokenized_req(
         logprob_start_len=logprob_start_len,
         token_ids_logprob=ids_logprob,
         mm_inputs=mm_inputs,
+        lora_name=lora_name,
     )
 
 

@@ -13,6 +13,7 @@ from genserve.entrypoints.serve import (
     default_llm_paths,
     engine_args_from,
     gateway_config_from,
+    llm_engine_args,
 )
 
 
@@ -41,6 +42,18 @@ def test_serve_defaults_and_mapping():
     assert _wanted(args) == (False, True)
     # No model named: the embedded SmolLM2 (None) and the vision-language demo model.
     assert default_llm_paths() == [None, "shapes-vl"]
+
+
+def test_lora_flags_reach_the_text_model_only():
+    args = build_parser().parse_args(["serve", "--lora-paths", "a=/x", "b=/y", "--lora-paths",
+                                      "c=/z", "--max-loaded-loras", "2"])
+    engine = llm_engine_args(args, None)
+    assert engine.lora_paths == ("a=/x", "b=/y", "c=/z") and engine.max_loaded_loras == 2
+    # The default vision-language model serves beside it without adapters.
+    assert llm_engine_args(args, "shapes-vl").lora_paths == ()
+    args = build_parser().parse_args(["serve", "--lora-paths", "/no/name"])
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        engine_args_from(args, None)
 
 
 def test_bad_values_are_one_line_errors(capsys):

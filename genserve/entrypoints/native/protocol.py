@@ -2,7 +2,7 @@
 
 Unknown fields are accepted and ignored (logged once per name), as SGLang does: its own
 bench client sends fields such as `return_routed_experts`. Fields genserve knows but cannot
-honour (`lora_path`, `return_hidden_states`...) are declared and answered with a 400.
+honour (`return_hidden_states`...) are declared and answered with a 400.
 """
 
 from __future__ import annotations
@@ -62,13 +62,27 @@ class GenerateReqInput(LenientModel):
     rid: str | list[str] | None = None
     cache_salt: str | list[str] | None = None
     image_data: Any = None
-    lora_path: Any = None
+    # The LoRA adapter (its served name) of the request, or one per prompt of a batch.
+    lora_path: str | list[str | None] | None = None
     return_hidden_states: bool = False  # known, not honoured: true is a 400
     # SGLang's bench clients send this; every native chunk carries meta_info token counts, so
     # usage is always included.
     stream_options: dict[str, Any] | None = None
     log_metrics: bool = True
     # Extension: which LLM serves the request when several are served (default: the first).
+    model: str | None = None
+
+
+class LoadLoRAAdapterReq(LenientModel):
+    """SGLang's /load_lora_adapter: serve the PEFT adapter folder `lora_path` as `lora_name`."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    model: str | None = None
+
+
+class UnloadLoRAAdapterReq(LenientModel):
+    lora_name: str = Field(min_length=1)
     model: str | None = None
 
 

@@ -11,7 +11,9 @@ from genserve.entrypoints.native.protocol import (
     AbortReq,
     DetokenizeReq,
     GenerateReqInput,
+    LoadLoRAAdapterReq,
     TokenizeReq,
+    UnloadLoRAAdapterReq,
 )
 from genserve.entrypoints.native.serving import NativeServing
 from genserve.entrypoints.state import get_native_serving
@@ -50,6 +52,15 @@ def build_router() -> APIRouter:
     async def abort_request(body: AbortReq, serving: Serving,
                             model: str | None = None) -> dict[str, Any]:
         return await serving.abort_request(body.rid, model)
+
+    @router.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterReq, serving: Serving) -> dict[str, Any]:
+        return await serving.load_lora_adapter(body)
+
+    @router.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterReq,
+                                  serving: Serving) -> dict[str, Any]:
+        return await serving.unload_lora_adapter(body)
 
     @router.post("/tokenize")
     @router.post("/v1/tokenize")

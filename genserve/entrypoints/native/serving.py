@@ -18,6 +18,7 @@ from genserve.entrypoints.errors import APIError, bad_request, not_found, servic
 from genserve.entrypoints.generation import (
     STREAM_FROM_ENGINE,
     GenerationGroup,
+    check_adapter,
     check_context,
     primed,
     supports_grammar,
@@ -27,8 +28,10 @@ from genserve.entrypoints.image_inputs import load_images, process_images, requi
 from genserve.entrypoints.native.protocol import (
     DetokenizeReq,
     GenerateReqInput,
+    LoadLoRAAdapterReq,
     SamplingParams,
     TokenizeReq,
+    UnloadLoRAAdapterReq,
 )
 from genserve.srt.client import LLMEngineClient
 from genserve.srt.messages import GenerateOutput, GenerateRequest
@@ -81,8 +84,6 @@ async def build_requests(state: GatewayState, client: LLMEngineClient, body: Gen
                          ) -> tuple[list[GenerateRequest], bool]:
     if body.image_data is not None:
         require_images(client, "image_data")
-    if body.lora_path is not None:
-        raise bad_request("LoRA adapters are not supported.", param="lora_path")
     if body.return_hidden_states:
         raise bad_request("'return_hidden_states' is not supported.", param="return_hidden_states")
     prompts, is_batch = await _prompts(client, body)
@@ -92,6 +93,9 @@ async def build_requests(state: GatewayState, client: LLMEngineClient, body: Gen
     params = _per_prompt(body.sampling_params or SamplingParams(), count, "sampling_params")
     rids = _per_prompt(body.rid, count, "rid")
     salts = _per_prompt(body.cache_salt, count, "cache_salt")
+    loras = _per_prompt(body.lora_path, count, "lora_path")
+    for lora in loras:
+        check_adapter(client, lora, "lora_path")
     starts = _per_prompt(body.logprob_start_len, count, "logprob_start_len")
     ids_lp = body.token_ids_logprob
     if ids_lp and isinstance(ids_lp[0], list):
@@ -100,8 +104,8 @@ async def build_requests(state: GatewayState, client: LLMEngineClient, body: Gen
         ids_lps = [ids_lp] * count
     sources = _image_sources(body.image_data, count, is_batch)
     reqs: list[GenerateRequest] = []
-    for ids, sp, rid, salt, start, id_lp, srcs in zip(
-        prompts, params, rids, salts, starts, ids_lps, sources, strict=True
+    for ids, sp, rid, salt, start, id_lp, srcs, lora in zip(
+        prompts, params, rids, salts, starts, ids_lps, sources, loras, strict=True
     ):
         if sp.stop_regex:  # SGLang's frontend sends [] when unset
             raise bad_request("stop_regex is not supported; use stop strings or a regex "
@@ -132,7 +136,8 @@ async def build_requests(state: GatewayState, client: LLMEngineClient, body: Gen
                 rid=base_rid if n == 1 else f"{base_rid}-{i}", input_ids=ids,
                 sampling_params=p, stream=STREAM_FROM_ENGINE, return_logprob=body.return_logprob,
                 top_logprobs_num=body.top_logprobs_num, cache_salt=salt,
-                logprob_start_len=start, token_ids_logprob=id_lp, mm_inputs=mm_inputs))
+                logprob_start_len=start, token_ids_logprob=id_lp, mm_inputs=mm_inputs,
+                lora_path=lora))
         is_batch = is_batch or n > 1  # SGLang answers n > 1 with a list
     return reqs, is_batch
 
@@ -277,6 +282,24 @@ class NativeServing:
             raise bad_request("Cannot flush the cache while requests are running; retry when idle.",
                               code="requests_running")
         return {"success": True, "message": "Cache flushed."}
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterReq) -> dict[str, Any]:
+        """SGLang's reply: {success, error_message, loaded_adapters: {name: path}}; a 400
+        names what does not fit."""
+        client = self.state.resolve_llm(body.model)
+        try:
+            loaded = await client.load_lora_adapter(body.lora_name, body.lora_path)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="lora_path") from exc
+        return {"success": True, "error_message": "", "loaded_adapters": loaded}
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterReq) -> dict[str, Any]:
+        client = self.state.resolve_llm(body.model)
+        try:
+            loaded = await client.unload_lora_adapter(body.lora_name)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="lora_name") from exc
+        return {"success": True, "error_message": "", "loaded_adapters": loaded}
 
     async def abort_request(self, rid: str, model: str | None) -> dict[str, Any]:
         state = self.state

@@ -66,8 +66,9 @@ def sampling_params(body: SamplingFields, max_new_tokens: int,
 
 
 def fan_out(body: SamplingFields, prompts: list[list[int]], params: dict[str, Any],
-            logprobs: bool, top_logprobs: int) -> list[GenerateRequest]:
-    """One engine request per (prompt, choice); choice i gets seed + i."""
+            logprobs: bool, top_logprobs: int, lora: str | None = None) -> list[GenerateRequest]:
+    """One engine request per (prompt, choice); choice i gets seed + i. `lora`: the LoRA
+    adapter the request's `model` named."""
     base = body.rid or new_rid()
     multiple = len(prompts) * body.n > 1
     reqs = []
@@ -80,7 +81,7 @@ def fan_out(body: SamplingFields, prompts: list[list[int]], params: dict[str, An
             reqs.append(GenerateRequest(
                 rid=f"{base}-{index}" if multiple else base, input_ids=ids, sampling_params=sp,
                 stream=STREAM_FROM_ENGINE, return_logprob=logprobs, top_logprobs_num=top_logprobs,
-                cache_salt=body.cache_salt))
+                cache_salt=body.cache_salt, lora_path=lora))
     return reqs
 
 

@@ -212,7 +212,7 @@ class ChatServing:
         requests into a ChatCompletionRequest and share this, so the tool-call machinery,
         grammar enforcement and image path are one."""
         state = self.state
-        client = state.resolve_llm(body.model)
+        client, lora = state.resolve_llm_adapter(body.model)
         common.reject_unsupported(client, body)
         _validate(body)
         extra = common.grammar_params(client, body.response_format)
@@ -246,7 +246,8 @@ class ChatServing:
         if max_new is None:
             max_new = default_max_new_tokens(client, len(ids))
         params = common.sampling_params(body, max_new, extra)
-        reqs = common.fan_out(body, [ids], params, body.logprobs, body.top_logprobs or 0)
+        reqs = common.fan_out(body, [ids], params, body.logprobs, body.top_logprobs or 0,
+                              lora)
         for req in reqs:
             req.mm_inputs = mm_inputs
         name = state.config.reasoning_parser

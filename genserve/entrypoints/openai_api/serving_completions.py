@@ -98,7 +98,7 @@ class CompletionServing:
     async def create_completion(self, body: CompletionRequest,
                                 request: Request) -> Response:
         state = self.state
-        client = state.resolve_llm(body.model)
+        client, lora = state.resolve_llm_adapter(body.model)
         common.reject_unsupported(client, body)
         _validate(body)
         prompts = await _prompt_ids(client, body.prompt)
@@ -108,7 +108,7 @@ class CompletionServing:
         params = common.sampling_params(body, max_new,
                                         common.grammar_params(client, body.response_format))
         want_logprobs = body.logprobs is not None
-        reqs = common.fan_out(body, prompts, params, want_logprobs, body.logprobs or 0)
+        reqs = common.fan_out(body, prompts, params, want_logprobs, body.logprobs or 0, lora)
         response_id = common.completion_id("cmpl")
         return await common.respond(
             state, client, reqs, request, bool(body.stream),

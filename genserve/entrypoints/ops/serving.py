@@ -35,6 +35,14 @@ def list_models(state: GatewayState) -> dict[str, Any]:
             "kind": "llm", "root": client.model_name, "max_model_len": client.context_length,
             "modalities": list(client.modalities),
         })
+        if name != client.model_name:
+            continue  # an alias: its adapters are listed under the model's own name
+        for adapter in client.lora_adapters():  # selected by `model: "ADAPTER"`
+            data.append({
+                "id": adapter, "object": "model", "created": created, "owned_by": "genserve",
+                "kind": "llm", "root": adapter, "parent": name,
+                "max_model_len": client.context_length, "modalities": list(client.modalities),
+            })
     if state.diffusion_client is not None:
         for entry in state.diffusion_client.list_models():
             item = {"object": "model", "created": created, "owned_by": "genserve"}

@@ -7,6 +7,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from genserve.srt.lora.scheduling import pins_by_adapter
 from genserve.srt.mem_cache import IntegrityError
 
 if TYPE_CHECKING:
@@ -50,6 +51,10 @@ def check_scheduler_integrity(s: Scheduler) -> None:
         raise IntegrityError("a waiting request still holds a req_to_token row")
     if s.mm is not None:
         s.mm.check_integrity(live + s.waiting)
+    if s.lora is not None:
+        s.lora.check_integrity(pins_by_adapter(live))
+    if any(r.lora_slot >= 0 for r in s.waiting + compiling):
+        raise IntegrityError("a waiting request still pins a LoRA adapter slot")
 
 
 def scheduler_info(s: Scheduler) -> dict[str, Any]:
@@ -79,4 +84,5 @@ def scheduler_info(s: Scheduler) -> dict[str, Any]:
         "grammar": s.grammar.info() if s.grammar is not None else None,
         "time": time.time(),
         **({"multimodal": s.mm.info()} if s.mm is not None else {}),
+        **({"lora": s.lora.info()} if s.lora is not None else {}),
     }

@@ -83,6 +83,22 @@ def run_scheduler_process(args: EngineArgs, conn: Connection, log_level: str = "
             raise
 
 
+def _lora_control(sched, msg: ControlReq) -> ControlResp:
+    """Load or unload an adapter; the reply lists the adapters loaded after it."""
+    from genserve.srt.lora.scheduling import load_adapter_into, unload_adapter
+
+    p = msg.payload
+    try:
+        if msg.kind == "load_lora_adapter":
+            load_adapter_into(sched, p.get("lora_name"), p.get("lora_path"))
+        else:
+            unload_adapter(sched.lora, sched.runner.lora_refusal, sched.reqs, p.get("lora_name"))
+    except (ValueError, OSError) as exc:
+        return ControlResp(msg.kind, msg.token, False, {"error": str(exc)})
+    adapters = {n: a.path for n, a in sched.lora.adapters.items()}
+    return ControlResp(msg.kind, msg.token, True, {"adapters": adapters})
+
+
 def _exit_on_rank_death(reason: str) -> None:
     """A tensor-parallel rank died: this process ends too (a collective waiting for the dead
     rank may never return), so the gateway fails the in-flight requests with 503 and restarts
@@ -99,6 +115,8 @@ def _control(sched, msg: ControlReq, integrity_error: str | None) -> ControlResp
         info = sched.info()
         info["integrity_error"] = integrity_error
         return ControlResp(msg.kind, msg.token, True, info)
+    if msg.kind in ("load_lora_adapter", "unload_lora_adapter"):
+        return _lora_control(sched, msg)
     if msg.kind == "check_integrity":
         from genserve.srt.mem_cache import IntegrityError
 

@@ -23,7 +23,9 @@ class Req:
         self.rid = msg.rid
         self.origin_input_ids = list(msg.input_ids)
         self.params: SamplingParams = msg.sampling_params
-        self.namespace = msg.namespace
+        self.namespace = msg.namespace  # gains the adapter's load id when it has one
+        self.lora_name = msg.lora_name
+        self.lora_slot = -1  # the adapter slot it pins while admitted; -1: none
         self.stream = msg.stream
         self.return_logprob = msg.return_logprob
         self.top_logprobs_num = msg.top_logprobs_num

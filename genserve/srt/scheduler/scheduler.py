@@ -15,6 +15,7 @@ import torch
 
 from genserve.srt.constrained import create_grammar_backend
 from genserve.srt.forward_batch import ForwardMode
+from genserve.srt.lora.scheduling import attach_adapter, pin_adapter, unpin_adapter
 from genserve.srt.mem_cache import create_prefix_cache
 from genserve.srt.messages import ReqOutput, TokenizedGenerateReq
 from genserve.srt.model_runner import ModelRunner
@@ -71,6 +72,7 @@ class Scheduler:
             raise ValueError("speculative decoding is not supported for vision-language models; "
                              "drop --speculative-algorithm")
         self.spec = NgramSpeculation(args) if args.speculative_algorithm == "ngram" else None
+        self.lora = runner.lora  # the adapter pool; None where adapters are not served
         self.eos_ids = frozenset(runner.config.eos_token_ids)
         self.vocab_size = runner.config.vocab_size
         self.grammar = create_grammar_backend(
@@ -113,7 +115,8 @@ class Scheduler:
     def add_request(self, msg: TokenizedGenerateReq) -> ReqOutput | None:
         """Queue a request; returns an immediate final output if it cannot run at all."""
         req = Req(msg, self.tokenizer, self.device)
-        error = admission_error(self.limits, req)
+        error = admission_error(self.limits, req) or attach_adapter(
+            self.lora, self.runner.lora_refusal, req)
         if error is not None:
             req.finish_abort(error, status=400)
             return req.make_output()
@@ -232,6 +235,9 @@ class Scheduler:
             if free < chunk + self._decode_reserve(admitted + [req]):
                 self.cache.dec_lock_ref(m.last_node)
                 break
+            if not pin_adapter(self.lora, req):  # every adapter slot is pinned: it waits
+                self.cache.dec_lock_ref(m.last_node)
+                continue
             row = self.req_to_token_pool.alloc(1)
             assert row is not None  # checked above
             req.row = row[0]
@@ -326,6 +332,7 @@ class Scheduler:
             [row.extend_len for row in batch],
             torch.cat(locs),
             **(self.mm.prepare_extend(batch) if self.mm is not None else {}),
+            lora_slots=[row.req.lora_slot for row in batch],
         )
         scored = plan_scored_rows(batch)
         if scored is not None:
@@ -414,6 +421,7 @@ class Scheduler:
             [1] * len(reqs),
             slots,
             **(self.mm.prepare_decode(reqs) if self.mm is not None else {}),
+            lora_slots=[r.lora_slot for r in reqs],
         )
         started = time.perf_counter()
         logits = self.runner.forward(fb)
@@ -446,6 +454,7 @@ class Scheduler:
     def _release(self, req: Req, insert: bool) -> None:
         if self.mm is not None:
             self.mm.release(req)
+        unpin_adapter(self.lora, req)
         release_req(req, self.req_to_token_pool, self.allocator, self.cache, insert)
 
     def _retract_one(self) -> None:

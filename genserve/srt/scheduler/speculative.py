@@ -87,6 +87,7 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
         [r.kv_len for r in reqs],
         lens,
         slots,
+        lora_slots=[r.lora_slot for r in reqs],
     )
     fb.logits_indices = torch.arange(need, dtype=torch.int64, device=s.device)
     started = time.perf_counter()
