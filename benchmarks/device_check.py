@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -125,12 +126,17 @@ def run_group(names: list[str], args, timeout_s: float, workdir: Path, log) -> l
     log.flush()
     problem = None
     with tempfile.TemporaryFile("w+") as output:
+        # A session of its own: on a timeout the whole group goes (a step's own children, such
+        # as the CUDA tests' pytest, must not hold GPU memory into the next step).
+        proc = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                start_new_session=True)
         try:
-            code = subprocess.run(cmd, stdout=output, stderr=subprocess.STDOUT, env=env,
-                                  cwd=ROOT, timeout=timeout_s).returncode
+            code = proc.wait(timeout=timeout_s)
             if code != 0:
                 problem = f"exit status {code}"
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             problem = f"timed out after {timeout_s:.0f} s"
         output.seek(0)
         text = output.read()
@@ -172,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_child(args)
     steps = [s for s in STEPS if args.only is None or s.name in args.only]
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
     deadline = time.monotonic() + (DRY_RUN_BUDGET_S if args.dry_run else TOTAL_BUDGET_S)
     records: list[dict] = []
@@ -195,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"device_check: {rec['step']} {state} ({rec.get('seconds', '-')} s)",
                       file=sys.stderr, flush=True)
             records += got
+            out.write_text(markdown(records, "# genserve device check (unfinished)"))
             if not args.dry_run and names == ["device"] and "error" in got[0]:
                 print("device_check: no usable CUDA GPU here; use --dry-run on a CPU",
                       file=sys.stderr)
