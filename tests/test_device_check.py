@@ -29,6 +29,7 @@ def table_steps(table: str) -> list[str]:
     return [line.split("|")[1].strip() for line in rows[1:]]  # after the header row
 
 
+@pytest.mark.slow  # about 30 s on one core: seven steps' imports and toy runs
 def test_the_dry_run_runs_every_step_without_a_failure(tmp_path, device_check):
     out = tmp_path / "device_check.md"
     done = subprocess.run(["bash", str(ROOT / "scripts" / "device_check.sh"), "--dry-run",
