@@ -49,12 +49,14 @@ def load_model(
     kernels: ModelKernels,
     tp: TPGroup | None = None,
     pooled: bool = False,
+    load_format: str = "auto",
 ) -> CausalLM:
     """Build the family's model on the meta device, give it empty storage in `dtype` on
     `device`, and stream the checkpoint into it: no weight ever exists in another dtype.
     With a tensor-parallel group of size > 1 the model holds this rank's share.
     Text and vision-language models load the same way; `pooled` loads the family's embedder
-    (`models/embedding.py`)."""
+    (`models/embedding.py`). load_format "dummy" fills the weights with random values instead
+    of reading a checkpoint."""
     model_cls = get_model_class(config.architecture, pooled=pooled)
     with torch.device("meta"):
         model = model_cls(config, kernels, tp) if tp is not None and tp.size > 1 else (
@@ -62,8 +64,21 @@ def load_model(
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own copy of a shared parameter
     model.rebuild_buffers(device)  # buffers (the rotary tables) were meta: compute them
-    model.load_checkpoint(folder)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        model.load_checkpoint(folder)
     return model.eval()
+
+
+def init_dummy_weights(model: torch.nn.Module, bound: float = 1e-3) -> None:
+    """Every floating-point parameter uniform in [-bound, bound] (vLLM's and SGLang's dummy
+    weights: small enough that activations stay finite through every layer), from torch's
+    current seed (the runner seeds it with `random_seed`)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.uniform_(-bound, bound)
 
 
 def choose_kernels(
@@ -171,7 +186,7 @@ class ModelRunner:
         # Norm and rotary kernels follow the device, not the attention backend.
         self.kernels = choose_kernels(args, self.device, get_model_class(config.architecture))
         self.model = load_model(config, folder, self.device, self.dtype, self.kernels, self.tp,
-                                pooled=pooling is not None)
+                                pooled=pooling is not None, load_format=args.load_format)
         # Multi-LoRA: the adapter pool (None, and why, where adapters are not served). Its
         # layer geometry is read before quantization replaces the linear layers.
         self.lora_refusal = self._lora_refusal(args, pooling)

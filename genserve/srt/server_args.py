@@ -11,6 +11,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 QUANTIZATIONS = ("none", "int8wo", "int4wo", "auto")
 SPECULATIVE_ALGORITHMS = ("ngram",)
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,19 @@ class EngineArgs:
     # when more are given); least recently used unpinned ones leave their slot.
     lora_paths: tuple[str, ...] = ()
     max_loaded_loras: int | None = None
+    # "dummy" (SGLang's --load-format dummy): random weights at the model's real shapes, no
+    # checkpoint read; the folder needs only config.json. For speed and memory checks
+    # (scripts/device_check.sh); the outputs mean nothing.
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         self._check_lora()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
+            )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"

@@ -337,6 +337,22 @@ def test_flux_rope_tables_are_kept_across_steps(flux):
     assert pos_embed(ids) is not first  # outside inference mode: computed
 
 
+def test_flux_rope_tables_of_bf16_ids_are_kept():
+    # A bf16 pipeline on a CPU passes bf16 position ids; numpy has no bfloat16 (the key of the
+    # kept tables used to raise TypeError there: found by scripts/device_check.sh --dry-run).
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    from genserve.multimodal_gen.pipelines.position_tables import remember_rope
+
+    pos_embed = FluxPosEmbed(theta=10000, axes_dim=[4, 6, 6])
+    remember_rope(pos_embed)
+    ids = torch.arange(24.0).reshape(8, 3).to(torch.bfloat16)
+    with torch.inference_mode():
+        first = pos_embed(ids)
+        assert pos_embed(ids.clone()) is first
+        assert pos_embed(ids + 1) is not first
+
+
 def test_unsupported_folder_is_a_clear_error(tmp_path):
     (tmp_path / "model_index.json").write_text('{"_class_name": "KandinskyPipeline"}')
     with pytest.raises(ValueError, match="not supported"):

@@ -65,7 +65,9 @@ def remember_rope(pos_embed: nn.Module) -> None:
     def key(ids: torch.Tensor):
         if ids.device.type != "cpu" or ids.numel() > 1 << 16:
             return None
-        return (ids.dtype, tuple(ids.shape), ids.contiguous().numpy().tobytes())
+        # Bytes through uint8: numpy has no bfloat16 (a bf16 pipeline on a CPU passes bf16 ids).
+        return (ids.dtype, tuple(ids.shape),
+                ids.contiguous().view(torch.uint8).numpy().tobytes())
 
     if "forward" not in vars(pos_embed):  # not wrapped yet (a pipeline can be shared)
         pos_embed.forward = _remember(pos_embed.forward, key)
