@@ -55,6 +55,7 @@ class Runtime:
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "device": str(self.runner.device),
             "quantization": self.runner.quantization,
+            "checkpoint_quantization": self.runner.checkpoint_quantization,
             "compile": self.runner.compiled,
             "attention_backend": self.runner.attention_backend_name,
             "context_length": self.runner.context_length,
@@ -154,12 +155,14 @@ def build_runtime(
     if runner.compiled:
         warm_up_compiled_decode(scheduler)
     kv_gib = runner.max_total_tokens * runner.kv_bytes_per_token() / 2**30
+    checkpoint_fmt = runner.checkpoint_quantization
     logger.info(
         "loaded %s (%s, %s, quantization %s, %s backend): KV pool %d tokens (%.2f GiB), context %d",
         name,
         config.architecture,
         runner.dtype,
-        runner.quantization,
+        runner.quantization if checkpoint_fmt is None else
+        f"{runner.quantization}, checkpoint {checkpoint_fmt} dequantized on load",
         runner.attention_backend_name,
         runner.max_total_tokens,
         kv_gib,

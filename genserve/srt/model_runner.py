@@ -19,6 +19,7 @@ from genserve.srt.distributed import TPGroup
 from genserve.srt.forward_batch import ForwardBatch, ForwardMode
 from genserve.srt.layers.attention.base import AttentionBackend
 from genserve.srt.layers.parallel import check_tp_experts, check_tp_size, split_heads
+from genserve.srt.layers.prequantized import checkpoint_quantization
 from genserve.srt.layers.quantization import choose_quantization, quantize_model
 from genserve.srt.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from genserve.srt.model_config import ModelConfig
@@ -169,6 +170,10 @@ class ModelRunner:
         self.attention_backend_name = backend
         # Norm and rotary kernels follow the device, not the attention backend.
         self.kernels = choose_kernels(args, self.device, get_model_class(config.architecture))
+        # A pre-quantized checkpoint's format (refused here, before any weight is allocated,
+        # when unsupported); its weights are dequantized into `dtype` while loading.
+        fmt = checkpoint_quantization(config.hf)
+        self.checkpoint_quantization = None if fmt is None else fmt.describe()
         self.model = load_model(config, folder, self.device, self.dtype, self.kernels, self.tp,
                                 pooled=pooling is not None)
         self.quantization = self._quantize(args.quantization, source_precision)
