@@ -241,8 +241,13 @@ class _Scheme:
             self.block = (_int(self.block[0], "block_structure"),
                           _int(self.block[1], "block_structure"))
 
-    def matches(self, module: str) -> bool:
-        return any(_target_matches(t, module) for t in self.targets)
+    def matches(self, module: str, by_class: bool) -> bool:
+        """Whether a target names `module` (by name or `re:` pattern), or with `by_class`
+        whether a target is a class name ("Linear": every linear layer carries scales)."""
+        if by_class:
+            return any(t[:1].isupper() and not t.startswith("re:") for t in self.targets)
+        return any(t == module or t.startswith("re:") and re.match(t[3:], module)
+                   for t in self.targets)
 
     def describe(self) -> str:
         how = {"group": f"group {self.group_size}", "block": "block"}.get(self.strategy,
@@ -254,13 +259,6 @@ class _Scheme:
         out, inn = shape
         return {"tensor": (out, inn), "channel": (1, inn), "group": (1, self.group_size or inn),
                 "block": self.block}[self.strategy]
-
-
-def _target_matches(target: str, module: str) -> bool:
-    if target.startswith("re:"):
-        return re.match(target[3:], module) is not None
-    # A class name ("Linear") targets every linear layer: only linear layers carry scales.
-    return target == module or target[:1].isupper()
 
 
 class CompressedTensors(CheckpointQuantization):
@@ -283,9 +281,10 @@ class CompressedTensors(CheckpointQuantization):
         return "compressed-tensors (" + ", ".join(s.describe() for s in self.schemes) + ")"
 
     def scheme_for(self, module: str) -> _Scheme:
-        for s in self.schemes:
-            if s.matches(module):
-                return s
+        for by_class in (False, True):  # a name or pattern wins over a class name
+            for s in self.schemes:
+                if s.matches(module, by_class):
+                    return s
         raise ValueError(f"checkpoint tensors of {module} are quantized but no config group of "
                          "quantization_config targets it")
 
@@ -433,8 +432,8 @@ class GPTQ(_Int4Packed):
         inn, out = qweight.shape[0] * 8, qweight.shape[1]
         groups = self._groups(inn)
         self._check(qw, tensors, "qweight", (inn // 8, out))
-        self._check(qw, tensors, "qzeros", (groups, math.ceil(out / 8)))
         self._check(qw, tensors, "scales", (groups, out))
+        self._check(qw, tensors, "qzeros", (groups, math.ceil(out / 8)))
         if "g_idx" in tensors:
             g_idx = tensors["g_idx"].long().reshape(-1)
             if g_idx.numel() != inn or g_idx.min() < 0 or g_idx.max() >= groups:
@@ -479,9 +478,9 @@ class AWQ(_Int4Packed):
             raise ValueError(f"{qw.parts['qweight']} has shape {tuple(qweight.shape)}; 2-D")
         inn, out = qweight.shape[0], qweight.shape[1] * 8
         groups = self._groups(inn)
-        self._check(qw, tensors, "qzeros", (groups, out // 8))
-        self._check(qw, tensors, "scales", (groups, out))
         self._check(qw, tensors, "qweight", (inn, out // 8))
+        self._check(qw, tensors, "scales", (groups, out))
+        self._check(qw, tensors, "qzeros", (groups, out // 8))
         q = _unpack_words(qweight, 4, 1, _AWQ_REVERSE)  # [in, out]
         zeros = _unpack_words(tensors["qzeros"], 4, 1, _AWQ_REVERSE)
         g_idx = torch.arange(inn) // self.group_size
