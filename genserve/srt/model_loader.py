@@ -391,6 +391,7 @@ def _load_tensor(loader: WeightLoader, f: io.FileIO, e: TensorEntry) -> None:
     if target is None:
         return
     dst, part = target
+    _check_size(f, e)
     if e.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and dst.dtype != e.dtype:
         raise ValueError(
             f"{f.name}: tensor {e.name} is {e.dtype} with no scale next to it (config.json "
@@ -406,10 +407,14 @@ def _load_tensor(loader: WeightLoader, f: io.FileIO, e: TensorEntry) -> None:
             del tmp
 
 
-def _read_tensor(f: io.FileIO, e: TensorEntry) -> torch.Tensor:
+def _check_size(f: io.FileIO, e: TensorEntry) -> None:
     elt = torch.tensor([], dtype=e.dtype).element_size()
     if e.nbytes != math.prod(e.shape) * elt:
         raise ValueError(f"{f.name}: tensor {e.name} has {e.nbytes} bytes for {e.shape}")
+
+
+def _read_tensor(f: io.FileIO, e: TensorEntry) -> torch.Tensor:
+    _check_size(f, e)
     out = torch.empty(e.shape, dtype=e.dtype)
     _read_exact(f, e.start, out)
     return out

@@ -254,3 +254,22 @@ def test_fp8_moe_under_tensor_parallelism_matches_transformers(tmp_path):
     with safe_open(str(quantized / "model.safetensors"), "pt") as f:
         assert "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv" in f.keys()
     assert_greedy_matches_hf(quantized, tp_size=2)
+
+
+def test_a_tensor_whose_header_size_is_wrong_is_refused(plain, tmp_path):
+    """The plain path reads straight into a parameter; it still checks the header's byte range
+    against the shape first (a truncated or hand-edited file)."""
+    folder = tmp_path / "bad"
+    shutil.copytree(plain("llama"), folder)
+    path = folder / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    # A weight whose end offset keeps its digit count when 4 bytes shorter (same header size).
+    name, (begin, end) = next(
+        (n, h["data_offsets"]) for n, h in header.items() if n.endswith("proj.weight")
+        and len(str(h["data_offsets"][1] - 4)) == len(str(h["data_offsets"][1])))
+    old, new = f"[{begin},{end}]".encode(), f"[{begin},{end - 4}]".encode()
+    assert data.count(old) == 1
+    path.write_bytes(bytes(data).replace(old, new))
+    assert f"{name} has {end - 4 - begin} bytes" in _engine_error(folder)
