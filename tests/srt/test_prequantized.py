@@ -273,3 +273,28 @@ def test_a_tensor_whose_header_size_is_wrong_is_refused(plain, tmp_path):
     assert data.count(old) == 1
     path.write_bytes(bytes(data).replace(old, new))
     assert f"{name} has {end - 4 - begin} bytes" in _engine_error(folder)
+
+
+def test_kv_cache_scales_are_read_past(plain, tmp_path):
+    """A static fp8 checkpoint with KV-cache scales (`k_scale` / `v_scale`, and compressed-tensors'
+    `kv_cache_scheme`): the KV cache stays in the serving dtype, the tokens are those without."""
+    from safetensors.torch import load_file, save_file
+
+    _, quantize, qconfig, _ = CASES["ct-fp8"]
+    quantized, _ = pc.write_pair(plain("qwen3"), tmp_path, qconfig, quantize, dense=False)
+    sampling = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    engine = Engine(str(quantized), dtype="float32", max_total_tokens=512)
+    want = [r["output_ids"] for r in engine.generate(input_ids=PROMPTS, sampling_params=sampling)]
+    engine.shutdown()
+    tensors = load_file(str(quantized / "model.safetensors"))
+    for layer in (0, 1):
+        for kv in ("k_scale", "v_scale"):
+            tensors[f"model.layers.{layer}.self_attn.{kv}"] = torch.tensor(0.05)
+    save_file(tensors, str(quantized / "model.safetensors"))
+    kv_scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                 "symmetric": True}
+    _edit_config(quantized, kv_cache_scheme=kv_scheme)
+    engine = Engine(str(quantized), dtype="float32", max_total_tokens=512)
+    got = [r["output_ids"] for r in engine.generate(input_ids=PROMPTS, sampling_params=sampling)]
+    engine.shutdown()
+    assert got == want

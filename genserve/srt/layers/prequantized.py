@@ -8,7 +8,8 @@ time and writes it into the serving dtype, so every family in the registry loads
 and the peak stays the model plus one layer's tensors.
 
 The weights then run like a full-precision checkpoint's, on every device: activations are not
-quantized (`activation_scheme`, input scales and activation configs are read past), and
+quantized and the KV cache stays in the serving dtype (`activation_scheme`, input and KV-cache
+scales, activation configs and `kv_cache_scheme` are read past), and
 `--quantization int8wo / int4wo` can re-quantize the result like any other model.
 
 Supported: `fp8` (float8_e4m3fn weights with a per-tensor scale or `weight_block_size` blocks of
@@ -146,8 +147,10 @@ def _int(v: Any, what: str) -> int:
     return v
 
 
+# Scales of quantized activations and of a quantized KV cache: activations and the KV cache stay
+# in the serving dtype, so nothing reads them.
 _ACTIVATION_SCALES = (".input_scale", ".activation_scale", ".input_zero_point",
-                      ".input_global_scale")
+                      ".input_global_scale", ".k_scale", ".v_scale", ".kv_scale")
 
 
 def _read_past(names: Iterable[str]) -> set[str]:
@@ -269,8 +272,6 @@ class CompressedTensors(CheckpointQuantization):
     def __init__(self, qc: dict[str, Any]) -> None:
         if qc.get("sparsity_config"):
             raise _refuse("compressed-tensors", "a sparsity_config (sparse weights)")
-        if qc.get("kv_cache_scheme"):
-            raise _refuse("compressed-tensors", "kv_cache_scheme (a quantized KV cache)")
         groups = qc.get("config_groups") or {}
         if not groups:
             raise _refuse("compressed-tensors", "a quantization_config without config_groups")
