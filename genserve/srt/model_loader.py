@@ -362,7 +362,7 @@ def load_checkpoint(model: CausalLM, folder: Path) -> None:
     directly into the parameter's memory; any other goes through one temporary of its own
     size. Plain reads (not mmap) keep the file out of this process's resident memory, so the
     peak is the model plus the largest tensor. A pre-quantized checkpoint (`quantization_config`,
-    layers/prequantized.py) is dequantized one linear weight at a time on the way in: the peak is
+    layers/prequantized/) is dequantized one linear weight at a time on the way in: the peak is
     the model plus one layer's stored tensors and its float32 weight.
     """
     from genserve.srt.layers.prequantized import checkpoint_quantization
