@@ -14,6 +14,7 @@ from genserve.srt.chat_roles import chat_role_markers
 from genserve.srt.compile_cache import CompileCacheReport, DecodeCompileCache
 from genserve.srt.device import resolve_device
 from genserve.srt.encoder_runtime import EncoderRuntime
+from genserve.srt.layers.prequantized import precision_class
 from genserve.srt.model_config import ModelConfig
 from genserve.srt.model_loader import gguf_path_of, gguf_precision_class, resolve_model_folder
 from genserve.srt.model_runner import ModelRunner, check_tensor_parallel
@@ -135,6 +136,10 @@ def build_runtime(
         source_precision = gguf_precision_class(gguf) if gguf is not None else None
     args = _quantized_cpu_dtype(args, source_precision)
     folder, name = resolve_model_folder(args.model_path, args.dtype, args.device)
+    if args.quantization == "auto" and source_precision is None:
+        # A pre-quantized folder (its dtype only matters from here on: no conversion).
+        source_precision = precision_class(folder)
+        args = _quantized_cpu_dtype(args, source_precision)
     pooling = read_pooling_spec(folder, args.is_embedding)
     if pooling is not None and pooling.runtime == "encoder":
         return EncoderRuntime.build(args, folder, name, pooling)

@@ -144,8 +144,9 @@ class ModelRunner:
         tp: TPGroup | None = None,
         pooling: PoolingSpec | None = None,
     ):
-        """source_precision: "int8" / "int4" when the weights came from a GGUF stored in that
-        precision class (what `--quantization auto` keeps), None for full precision.
+        """source_precision: "int8" / "int4" when the weights came from a GGUF or a pre-quantized
+        checkpoint stored in that precision class (what `--quantization auto` keeps), None for
+        full precision.
         tp: this rank's tensor-parallel group (None: one rank); the runner then holds the
         rank's share of the heads and of the KV pool.
         pooling: a decoder embedder's spec; its forward then returns pooled hidden states

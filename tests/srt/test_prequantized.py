@@ -298,3 +298,26 @@ def test_kv_cache_scales_are_read_past(plain, tmp_path):
     got = [r["output_ids"] for r in engine.generate(input_ids=PROMPTS, sampling_params=sampling)]
     engine.shutdown()
     assert got == want
+
+
+@pytest.mark.parametrize("case, precision", [("ct-w8a8-int8", "int8"), ("gptq", "int4"),
+                                             ("fp8-block", "int8")])
+def test_auto_runs_a_prequantized_checkpoint_as_int8wo_like_a_gguf(case, precision, plain,
+                                                                   tmp_path):
+    """`--quantization auto` keeps a pre-quantized checkpoint's precision class the way it does a
+    GGUF's: int8 weights (float32 around them on a CPU), where a full-precision folder stays
+    as it is."""
+    from genserve.srt.layers.prequantized import precision_class
+
+    arch, quantize, qconfig, _ = CASES[case]
+    quantized, dequantized = pc.write_pair(plain(arch), tmp_path, qconfig, quantize)
+    assert precision_class(quantized) == precision and precision_class(dequantized) is None
+    engine = Engine(str(quantized), quantization="auto", compile=False, max_total_tokens=512)
+    try:
+        info = engine.model_info()
+        assert (info["quantization"], info["dtype"]) == ("int8wo", "float32")
+        out = engine.generate(input_ids=PROMPTS[0], sampling_params={
+            "max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert len(out["output_ids"]) == 4
+    finally:
+        engine.shutdown()

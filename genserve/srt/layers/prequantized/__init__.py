@@ -7,10 +7,10 @@ points, a group index). `CheckpointQuantization.plan` groups a checkpoint's tens
 time and writes it into the serving dtype, so every family in the registry loads these formats
 and the peak stays the model plus one layer's tensors.
 
-The weights then run like a full-precision checkpoint's, on every device: activations are not
+The weights then run like any checkpoint's, on every device, through `--quantization`
+(`precision_class` is what `auto` keeps: int8wo, as for a quantized GGUF): activations are not
 quantized and the KV cache stays in the serving dtype (`activation_scheme`, input and KV-cache
-scales, activation configs and `kv_cache_scheme` are read past), and
-`--quantization int8wo / int4wo` can re-quantize the result like any other model.
+scales, activation configs and `kv_cache_scheme` are read past).
 
 Supported: `fp8` (float8_e4m3fn weights with a per-tensor scale or `weight_block_size` blocks of
 `weight_scale_inv`), `compressed-tensors` (int8 `naive-quantized` / `int-quantized`, fp8
@@ -20,6 +20,8 @@ Supported: `fp8` (float8_e4m3fn weights with a per-tensor scale or `weight_block
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from genserve.srt.layers.prequantized.base import (
@@ -31,7 +33,8 @@ from genserve.srt.layers.prequantized.compressed_tensors import CompressedTensor
 from genserve.srt.layers.prequantized.fp8 import FP8
 from genserve.srt.layers.prequantized.gptq_awq import AWQ, GPTQ
 
-__all__ = ["SUPPORTED", "CheckpointQuantization", "QuantizedWeight", "checkpoint_quantization"]
+__all__ = ["SUPPORTED", "CheckpointQuantization", "QuantizedWeight", "checkpoint_quantization",
+           "precision_class"]
 
 
 def checkpoint_quantization(hf_config: dict[str, Any]) -> CheckpointQuantization | None:
@@ -53,3 +56,16 @@ def checkpoint_quantization(hf_config: dict[str, Any]) -> CheckpointQuantization
             f"supported; pre-quantized checkpoints load in: {SUPPORTED}"
         )
     return formats[method](qc)
+
+
+def precision_class(folder: Path) -> str | None:
+    """"int4" / "int8" for a pre-quantized checkpoint whose weights are stored in at most 4 / 8
+    bits (what `--quantization auto` runs it as, like a GGUF of that class), None for a
+    full-precision one (or a folder without config.json)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    scheme = checkpoint_quantization(json.loads(path.read_text()))
+    if scheme is None:
+        return None
+    return "int4" if scheme.bits <= 4 else "int8"

@@ -33,6 +33,7 @@ class CheckpointQuantization(ABC):
     """One checkpoint format: which tensors make up a quantized weight and how to rebuild it."""
 
     method: str
+    bits: int  # the widest stored weight: what `--quantization auto` keeps (precision_class)
 
     @abstractmethod
     def describe(self) -> str:

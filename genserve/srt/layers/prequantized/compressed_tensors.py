@@ -89,6 +89,7 @@ class CompressedTensors(CheckpointQuantization):
         if not groups:
             raise refuse("compressed-tensors", "a quantization_config without config_groups")
         self.schemes = [_Scheme(n, g, qc.get("format")) for n, g in groups.items()]
+        self.bits = max(s.bits for s in self.schemes)
         self.ignore = list(qc.get("ignore") or [])
 
     def describe(self) -> str:

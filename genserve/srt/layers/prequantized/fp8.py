@@ -22,6 +22,7 @@ class FP8(CheckpointQuantization):
     `weight_scale` (one per tensor)."""
 
     method = "fp8"
+    bits = 8
 
     def __init__(self, qc: dict[str, Any]) -> None:
         if qc.get("activation_scheme", "dynamic") not in ("dynamic", "static"):

@@ -23,6 +23,7 @@ class _Int4Packed(CheckpointQuantization):
     group of input columns."""
 
     method = ""
+    bits = 4
 
     def __init__(self, qc: dict[str, Any]) -> None:
         bits = qc.get("bits", qc.get("w_bit"))
