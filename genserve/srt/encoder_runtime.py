@@ -268,6 +268,7 @@ class EncoderRuntime:
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "quantization": "none",
+            "checkpoint_quantization": None,
             "compile": False,
             "attention_backend": "transformers",
             "context_length": self.scheduler.context_length,

@@ -14,6 +14,7 @@ from genserve.srt.chat_roles import chat_role_markers
 from genserve.srt.compile_cache import CompileCacheReport, DecodeCompileCache
 from genserve.srt.device import resolve_device
 from genserve.srt.encoder_runtime import EncoderRuntime
+from genserve.srt.layers.prequantized import precision_class
 from genserve.srt.model_config import ModelConfig
 from genserve.srt.model_loader import gguf_path_of, gguf_precision_class, resolve_model_folder
 from genserve.srt.model_runner import ModelRunner, check_tensor_parallel
@@ -55,6 +56,7 @@ class Runtime:
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "device": str(self.runner.device),
             "quantization": self.runner.quantization,
+            "checkpoint_quantization": self.runner.checkpoint_quantization,
             "compile": self.runner.compiled,
             "attention_backend": self.runner.attention_backend_name,
             "context_length": self.runner.context_length,
@@ -136,6 +138,10 @@ def build_runtime(
         source_precision = gguf_precision_class(gguf) if gguf is not None else None
     args = _quantized_cpu_dtype(args, source_precision)
     folder, name = resolve_model_folder(args.model_path, args.dtype, args.device)
+    if args.quantization == "auto" and source_precision is None:
+        # A pre-quantized folder (its dtype only matters from here on: no conversion).
+        source_precision = precision_class(folder)
+        args = _quantized_cpu_dtype(args, source_precision)
     pooling = read_pooling_spec(folder, args.is_embedding)
     if pooling is not None and pooling.runtime == "encoder":
         return EncoderRuntime.build(args, folder, name, pooling)
@@ -156,12 +162,14 @@ def build_runtime(
     if runner.compiled:
         warm_up_compiled_decode(scheduler)
     kv_gib = runner.max_total_tokens * runner.kv_bytes_per_token() / 2**30
+    checkpoint_fmt = runner.checkpoint_quantization
     logger.info(
         "loaded %s (%s, %s, quantization %s, %s backend): KV pool %d tokens (%.2f GiB), context %d",
         name,
         config.architecture,
         runner.dtype,
-        runner.quantization,
+        runner.quantization if checkpoint_fmt is None else
+        f"{runner.quantization}, checkpoint {checkpoint_fmt} dequantized on load",
         runner.attention_backend_name,
         runner.max_total_tokens,
         kv_gib,

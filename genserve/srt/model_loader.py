@@ -32,7 +32,8 @@ from genserve.srt.models.registry import (
 from genserve.srt.named_models import EMBEDDED, row_for_path
 
 if TYPE_CHECKING:
-    from genserve.srt.models.base import CausalLM
+    from genserve.srt.layers.prequantized import CheckpointQuantization, QuantizedWeight
+    from genserve.srt.models.base import CausalLM, WeightLoader
 
 logger = logging.getLogger(__name__)
 
@@ -295,6 +296,8 @@ _SAFETENSORS_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -358,32 +361,92 @@ def load_checkpoint(model: CausalLM, folder: Path) -> None:
     A tensor whose dtype and device already match its destination is read from the file
     directly into the parameter's memory; any other goes through one temporary of its own
     size. Plain reads (not mmap) keep the file out of this process's resident memory, so the
-    peak is the model plus the largest tensor.
+    peak is the model plus the largest tensor. A pre-quantized checkpoint (`quantization_config`,
+    layers/prequantized/) is dequantized one linear weight at a time on the way in: the peak is
+    the model plus one layer's stored tensors and its float32 weight.
     """
-    from genserve.srt.models.base import take_part
+    from genserve.srt.layers.prequantized import checkpoint_quantization
 
+    scheme = checkpoint_quantization(model.config.hf)
     loader = model.weight_loader()
-    for path in safetensors_files(folder):
-        entries = read_safetensors_header(path)
+    files = [(path, read_safetensors_header(path)) for path in safetensors_files(folder)]
+    quantized, skipped = [], set()
+    if scheme is not None:
+        quantized, skipped = scheme.plan(e.name for _, entries in files for e in entries)
+        skipped |= {n for qw in quantized for n in qw.parts.values()}
+    for path, entries in files:
         with open(path, "rb", buffering=0) as f:
             for e in entries:
-                target = loader.destination(e.name, e.shape)
-                if target is None:
-                    continue
-                dst, part = target
-                elt = torch.tensor([], dtype=e.dtype).element_size()
-                if e.nbytes != math.prod(e.shape) * elt:
-                    raise ValueError(f"{path}: tensor {e.name} has {e.nbytes} bytes for {e.shape}")
-                with torch.no_grad():
-                    if (part is None and dst.dtype == e.dtype and dst.device.type == "cpu"
-                            and dst.is_contiguous()):
-                        _read_exact(f, e.start, dst)
-                    else:  # a tensor-parallel rank reads the whole tensor, keeps its slice
-                        tmp = torch.empty(e.shape, dtype=e.dtype)
-                        _read_exact(f, e.start, tmp)
-                        dst.copy_(take_part(tmp, part))
-                        del tmp
+                if e.name not in skipped:
+                    _load_tensor(loader, f, e)
+    if quantized:
+        _load_dequantized(loader, scheme, quantized, files)
     loader.finish()
+
+
+def _load_tensor(loader: WeightLoader, f: io.FileIO, e: TensorEntry) -> None:
+    from genserve.srt.models.base import take_part
+
+    target = loader.destination(e.name, e.shape)
+    if target is None:
+        return
+    dst, part = target
+    _check_size(f, e)
+    if e.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and dst.dtype != e.dtype:
+        raise ValueError(
+            f"{f.name}: tensor {e.name} is {e.dtype} with no scale next to it (config.json "
+            "has no quantization_config that reads it)"
+        )
+    with torch.no_grad():
+        if (part is None and dst.dtype == e.dtype and dst.device.type == "cpu"
+                and dst.is_contiguous()):
+            _read_exact(f, e.start, dst)
+        else:  # a tensor-parallel rank reads the whole tensor, keeps its slice
+            tmp = _read_tensor(f, e)
+            dst.copy_(take_part(tmp, part))
+            del tmp
+
+
+def _check_size(f: io.FileIO, e: TensorEntry) -> None:
+    elt = torch.tensor([], dtype=e.dtype).element_size()
+    if e.nbytes != math.prod(e.shape) * elt:
+        raise ValueError(f"{f.name}: tensor {e.name} has {e.nbytes} bytes for {e.shape}")
+
+
+def _read_tensor(f: io.FileIO, e: TensorEntry) -> torch.Tensor:
+    _check_size(f, e)
+    out = torch.empty(e.shape, dtype=e.dtype)
+    _read_exact(f, e.start, out)
+    return out
+
+
+def _load_dequantized(loader: WeightLoader, scheme: CheckpointQuantization,
+                      quantized: list[QuantizedWeight],
+                      files: list[tuple[Path, list[TensorEntry]]]) -> None:
+    """Rebuild each quantized weight from its stored tensors and write it in the serving dtype."""
+    from genserve.srt.models.base import take_part
+
+    where = {e.name: (path, e) for path, entries in files for e in entries}
+    handles: dict[Path, io.FileIO] = {}
+    try:
+        for qw in quantized:
+            parts = {}
+            for role, name in qw.parts.items():
+                path, e = where[name]
+                if path not in handles:
+                    handles[path] = open(path, "rb", buffering=0)
+                parts[role] = _read_tensor(handles[path], e)
+            weight = scheme.dequantize(qw, parts)
+            del parts
+            target = loader.destination(qw.name, tuple(weight.shape))
+            if target is not None:
+                dst, part = target
+                with torch.no_grad():
+                    dst.copy_(take_part(weight, part))
+            del weight
+    finally:
+        for handle in handles.values():
+            handle.close()
 
 
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:

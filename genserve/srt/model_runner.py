@@ -19,6 +19,7 @@ from genserve.srt.distributed import TPGroup
 from genserve.srt.forward_batch import ForwardBatch, ForwardMode
 from genserve.srt.layers.attention.base import AttentionBackend
 from genserve.srt.layers.parallel import check_tp_experts, check_tp_size, split_heads
+from genserve.srt.layers.prequantized import checkpoint_quantization
 from genserve.srt.layers.quantization import choose_quantization, quantize_model
 from genserve.srt.lora import LoRAManager
 from genserve.srt.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -159,8 +160,9 @@ class ModelRunner:
         tp: TPGroup | None = None,
         pooling: PoolingSpec | None = None,
     ):
-        """source_precision: "int8" / "int4" when the weights came from a GGUF stored in that
-        precision class (what `--quantization auto` keeps), None for full precision.
+        """source_precision: "int8" / "int4" when the weights came from a GGUF or a pre-quantized
+        checkpoint stored in that precision class (what `--quantization auto` keeps), None for
+        full precision.
         tp: this rank's tensor-parallel group (None: one rank); the runner then holds the
         rank's share of the heads and of the KV pool.
         pooling: a decoder embedder's spec; its forward then returns pooled hidden states
@@ -185,6 +187,10 @@ class ModelRunner:
         self.attention_backend_name = backend
         # Norm and rotary kernels follow the device, not the attention backend.
         self.kernels = choose_kernels(args, self.device, get_model_class(config.architecture))
+        # A pre-quantized checkpoint's format (refused here, before any weight is allocated,
+        # when unsupported); its weights are dequantized into `dtype` while loading.
+        fmt = checkpoint_quantization(config.hf)
+        self.checkpoint_quantization = None if fmt is None else fmt.describe()
         self.model = load_model(config, folder, self.device, self.dtype, self.kernels, self.tp,
                                 pooled=pooling is not None, load_format=args.load_format)
         # Multi-LoRA: the adapter pool (None, and why, where adapters are not served). Its

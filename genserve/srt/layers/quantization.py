@@ -11,7 +11,8 @@ torch's packed-weight kernels: `aten._weight_int8pack_mm` for int8, and for int4
 tensor whose linear calls `aten._weight_int4pack_mm_for_cpu` (CPU, `PrototypeInt4WeightOnly
 Config`) or tinygemm's `aten._weight_int4pack_mm` (CUDA, the tile-packed format).
 
-`auto` runs a quantized GGUF (Q4 / Q5 / Q6 / Q8) as int8wo and leaves full-precision checkpoints
+`auto` runs a quantized GGUF (Q4 / Q5 / Q6 / Q8) or a pre-quantized checkpoint (FP8,
+compressed-tensors, GPTQ, AWQ: dequantized on load) as int8wo and leaves full-precision checkpoints
 as they are (their outputs then match Hugging Face's token for token). It decides from the
 checkpoint's precision class alone, so every start of the same model runs the same mode. A 4-bit
 GGUF does not run as int4wo under `auto`: re-quantizing its de-quantized weights to int4wo kept
@@ -194,8 +195,8 @@ def choose_quantization(
 ) -> QuantizationChoice:
     """Resolve `auto` (and check an explicit mode) for this model on this device.
 
-    `source_class`: "int8" / "int4" for a GGUF stored in that precision class, None for a
-    full-precision checkpoint."""
+    `source_class`: "int8" / "int4" for a GGUF or a pre-quantized checkpoint stored in that
+    precision class, None for a full-precision checkpoint."""
     if requested not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {requested!r}")
     if requested != "auto":
@@ -204,4 +205,4 @@ def choose_quantization(
     if source_class is None:
         return QuantizationChoice("none", "full-precision checkpoint: kept as is")
     check_supported("int8wo", model, device)
-    return QuantizationChoice("int8wo", f"quantized ({source_class}) GGUF: int8 weights")
+    return QuantizationChoice("int8wo", f"quantized ({source_class}) checkpoint: int8 weights")

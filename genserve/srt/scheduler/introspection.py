@@ -65,6 +65,7 @@ def scheduler_info(s: Scheduler) -> dict[str, Any]:
     return {
         "max_total_tokens": s.max_total_tokens,
         "quantization": s.runner.quantization,
+        "checkpoint_quantization": s.runner.checkpoint_quantization,
         "compile": s.runner.compiled,
         "compile_report": s.runner.compile_report,
         "available_tokens": free,

@@ -1,0 +1,173 @@
+"""`quant_method: compressed-tensors`: llm-compressor's int8, fp8 and packed int4 / int8 layouts."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+
+from genserve.srt.layers.prequantized.base import (
+    FLOAT8,
+    CheckpointQuantization,
+    as_int,
+    check_dtype,
+    collect,
+    expand,
+    read_past,
+    refuse,
+    unpack_words,
+)
+
+
+class _Scheme:
+    """One config group of a compressed-tensors config: its weight arguments and targets."""
+
+    def __init__(self, name: str, group: dict[str, Any], default_format: str | None) -> None:
+        self.name = name
+        self.targets = list(group.get("targets") or [])
+        self.format = group.get("format") or default_format
+        w = group.get("weights")
+        if not isinstance(w, dict):
+            raise refuse("compressed-tensors", f"config group {name} without weights")
+        self.type = w.get("type", "int")
+        self.bits = as_int(w.get("num_bits", 8), "num_bits")
+        self.strategy = w.get("strategy", "tensor")
+        self.symmetric = bool(w.get("symmetric", True))
+        self.group_size = w.get("group_size")
+        self.block = w.get("block_structure")
+        ok = {
+            "naive-quantized": self.type == "int" and self.bits == 8,
+            "int-quantized": self.type == "int" and self.bits == 8,
+            "float-quantized": self.type == "float" and self.bits == 8,
+            "pack-quantized": self.type == "int" and self.bits in (4, 8),
+        }
+        if not ok.get(self.format, False):
+            raise refuse("compressed-tensors", f"config group {name}: format {self.format!r} "
+                          f"with {self.type} {self.bits}-bit weights")
+        if self.strategy not in ("tensor", "channel", "group", "block"):
+            raise refuse("compressed-tensors", f"config group {name}: weight strategy "
+                          f"{self.strategy!r} (expected tensor, channel, group or block)")
+        if self.strategy == "group":
+            self.group_size = as_int(self.group_size, f"{name}.weights.group_size")
+        if self.strategy == "block":
+            if not isinstance(self.block, list) or len(self.block) != 2:
+                raise refuse("compressed-tensors", f"block_structure {self.block!r}")
+            self.block = (as_int(self.block[0], "block_structure"),
+                          as_int(self.block[1], "block_structure"))
+
+    def matches(self, module: str, by_class: bool) -> bool:
+        """Whether a target names `module` (by name or `re:` pattern), or with `by_class`
+        whether a target is a class name ("Linear": every linear layer carries scales)."""
+        if by_class:
+            return any(t[:1].isupper() and not t.startswith("re:") for t in self.targets)
+        return any(t == module or t.startswith("re:") and re.match(t[3:], module)
+                   for t in self.targets)
+
+    def describe(self) -> str:
+        how = {"group": f"group {self.group_size}", "block": "block"}.get(self.strategy,
+                                                                          self.strategy)
+        return f"{self.format} {self.type}{self.bits} {how}"
+
+    def scale_grid(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """The block each scale covers on an [out, in] weight."""
+        out, inn = shape
+        return {"tensor": (out, inn), "channel": (1, inn), "group": (1, self.group_size or inn),
+                "block": self.block}[self.strategy]
+
+
+class CompressedTensors(CheckpointQuantization):
+    """`quant_method: compressed-tensors` (llm-compressor's output)."""
+
+    method = "compressed-tensors"
+
+    def __init__(self, qc: dict[str, Any]) -> None:
+        if qc.get("sparsity_config"):
+            raise refuse("compressed-tensors", "a sparsity_config (sparse weights)")
+        groups = qc.get("config_groups") or {}
+        if not groups:
+            raise refuse("compressed-tensors", "a quantization_config without config_groups")
+        self.schemes = [_Scheme(n, g, qc.get("format")) for n, g in groups.items()]
+        self.bits = max(s.bits for s in self.schemes)
+        self.ignore = list(qc.get("ignore") or [])
+
+    def describe(self) -> str:
+        return "compressed-tensors (" + ", ".join(s.describe() for s in self.schemes) + ")"
+
+    def scheme_for(self, module: str) -> _Scheme:
+        for by_class in (False, True):  # a name or pattern wins over a class name
+            for s in self.schemes:
+                if s.matches(module, by_class):
+                    return s
+        raise ValueError(f"checkpoint tensors of {module} are quantized but no config group of "
+                         "quantization_config targets it")
+
+    def plan(self, names):
+        names = list(names)
+        packed = collect(names, ".weight_packed", {
+            "packed": (".weight_packed",), "scale": (".weight_scale",),
+            "shape": (".weight_shape",), "zeros": (".weight_zero_point",),
+            "g_idx": (".weight_g_idx",)}, {"packed", "scale", "shape"})
+        dense = collect(names, ".weight_scale", {
+            "weight": (".weight",), "scale": (".weight_scale",),
+            "zeros": (".weight_zero_point",), "g_idx": (".weight_g_idx",)}, set())
+        modules = {w.module for w in packed}
+        dense = [w for w in dense if w.module not in modules]
+        for w in dense:
+            if "weight" not in w.parts:
+                raise ValueError(f"checkpoint tensor {w.module}.weight_scale has no "
+                                 f"{w.module}.weight or {w.module}.weight_packed")
+        return packed + dense, read_past(names)
+
+    def dequantize(self, qw, tensors):
+        s = self.scheme_for(qw.module)
+        if "packed" in tensors:
+            if s.format != "pack-quantized":
+                raise ValueError(f"{qw.parts['packed']} is packed but its config group "
+                                 f"{s.name} has format {s.format}")
+            shape_t = tensors["shape"].reshape(-1).tolist()
+            if len(shape_t) != 2:
+                raise ValueError(f"{qw.parts['shape']} holds {shape_t}, expected [out, in]")
+            shape = (int(shape_t[0]), int(shape_t[1]))
+            q = _unpack_dense(tensors["packed"], s.bits, shape, qw.parts["packed"])
+        else:
+            w = tensors["weight"]
+            allowed = FLOAT8 if s.type == "float" else (torch.int8,)
+            check_dtype(w, allowed, qw.parts["weight"])
+            if w.dim() != 2:
+                raise ValueError(f"{qw.parts['weight']} has shape {tuple(w.shape)}; expected 2-D")
+            shape, q = (w.shape[0], w.shape[1]), w.float()
+        scale, zeros = tensors["scale"], tensors.get("zeros")
+        if zeros is not None and zeros.dtype == torch.int32:  # packed along the output
+            zshape = (shape[0], scale.shape[-1] if scale.dim() else 1)
+            zeros = _unpack_dense(zeros.t(), s.bits, zshape[::-1], qw.parts["zeros"]).t()
+        if "g_idx" in tensors:  # activation order: input column i uses group g_idx[i]
+            g_idx = tensors["g_idx"].long().reshape(-1)
+            groups = scale.shape[-1] if scale.dim() == 2 else -1
+            if g_idx.numel() != shape[1] or g_idx.min() < 0 or g_idx.max() >= groups:
+                raise ValueError(f"{qw.parts['g_idx']} does not index the {groups} groups of "
+                                 f"{qw.parts['scale']} for {shape[1]} input columns")
+            scale = scale.float()[:, g_idx]
+            zeros = None if zeros is None else zeros.float()[:, g_idx]
+            grid = (1, 1)
+        else:
+            grid = s.scale_grid(shape)
+        # In place: the transient memory is two float32 copies of one layer's weight.
+        if zeros is not None:
+            q.sub_(expand(zeros, *grid, qw.parts["zeros"], shape))
+        return q.mul_(expand(scale, *grid, qw.parts["scale"], shape))
+
+
+def _unpack_dense(packed: torch.Tensor, bits: int, shape: tuple[int, int],
+                  what: str) -> torch.Tensor:
+    """compressed-tensors' int32 packing: value j of a row at bits [j*bits, (j+1)*bits) of the
+    row's words, low bits first, stored with an offset of 2**(bits-1). Float32 [out, in]."""
+    check_dtype(packed, (torch.int32,), what)
+    out, inn = shape
+    per_word = 32 // bits
+    want = (out, math.ceil(inn / per_word))
+    if tuple(packed.shape) != want:
+        raise ValueError(f"{what} has shape {tuple(packed.shape)}, but {bits}-bit values of a "
+                         f"{list(shape)} weight pack into {want}")
+    return unpack_words(packed, bits, 1)[:, :inn] - (1 << (bits - 1))

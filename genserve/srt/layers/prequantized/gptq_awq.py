@@ -1,0 +1,135 @@
+"""`quant_method: gptq` and `awq`: 4-bit weights in int32 words, zeros and scales per group."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from genserve.srt.layers.prequantized.base import (
+    CheckpointQuantization,
+    QuantizedWeight,
+    as_int,
+    check_dtype,
+    collect,
+    refuse,
+    unpack_words,
+)
+
+
+class _Int4Packed(CheckpointQuantization):
+    """Shared by GPTQ and AWQ: 4-bit weights in int32 words with zeros and fp16 scales per
+    group of input columns."""
+
+    method = ""
+    bits = 4
+
+    def __init__(self, qc: dict[str, Any]) -> None:
+        bits = qc.get("bits", qc.get("w_bit"))
+        if bits != 4:
+            raise refuse(self.method, f"bits={bits}")
+        group = as_int(qc.get("group_size", qc.get("q_group_size", 128)), "group_size")
+        if group != -1 and group < 1:
+            raise refuse(self.method, f"group_size {group}")
+        self.group_size = group
+
+    def plan(self, names):
+        names = list(names)
+        roles = {"qweight": (".qweight",), "qzeros": (".qzeros",), "scales": (".scales",),
+                 "g_idx": (".g_idx",)}
+        return collect(names, ".qweight", roles, {"qweight", "qzeros", "scales"}), set()
+
+    def _groups(self, inn: int) -> int:
+        return 1 if self.group_size == -1 else math.ceil(inn / self.group_size)
+
+    def _check(self, qw: QuantizedWeight, t: dict[str, torch.Tensor], role: str,
+               shape: tuple[int, int]) -> None:
+        check_dtype(t[role], (torch.int32,) if role != "scales" else
+                     (torch.float16, torch.bfloat16, torch.float32), qw.parts[role])
+        if tuple(t[role].shape) != shape:
+            raise ValueError(
+                f"{qw.parts[role]} has shape {tuple(t[role].shape)}, expected {shape} for "
+                f"{self.method} bits=4 group_size={self.group_size} and the shape of "
+                f"{qw.parts['qweight']}: the checkpoint does not match its quantization_config"
+            )
+
+
+class GPTQ(_Int4Packed):
+    """`quant_method: gptq`: qweight [in / 8, out] (packed along the input), qzeros
+    [groups, out / 8], scales [groups, out], g_idx [in] (the group of each input column, which
+    `desc_act` permutes). The `gptq` checkpoint format stores each zero minus one."""
+
+    method = "gptq"
+
+    def __init__(self, qc: dict[str, Any]) -> None:
+        super().__init__(qc)
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise refuse("gptq", f"checkpoint_format {fmt!r}")
+        self.zero_offset = 1 if fmt == "gptq" else 0
+        self.desc_act = bool(qc.get("desc_act", False))
+
+    def describe(self) -> str:
+        return f"gptq (int4, group {self.group_size}, desc_act {self.desc_act})"
+
+    def dequantize(self, qw, tensors):
+        qweight = tensors["qweight"]
+        if qweight.dim() != 2:
+            raise ValueError(f"{qw.parts['qweight']} has shape {tuple(qweight.shape)}; 2-D")
+        inn, out = qweight.shape[0] * 8, qweight.shape[1]
+        groups = self._groups(inn)
+        self._check(qw, tensors, "qweight", (inn // 8, out))
+        self._check(qw, tensors, "scales", (groups, out))
+        self._check(qw, tensors, "qzeros", (groups, math.ceil(out / 8)))
+        if "g_idx" in tensors:
+            g_idx = tensors["g_idx"].long().reshape(-1)
+            if g_idx.numel() != inn or g_idx.min() < 0 or g_idx.max() >= groups:
+                raise ValueError(f"{qw.parts['g_idx']} does not give each of the {inn} input "
+                                 f"columns one of the {groups} groups of {qw.parts['scales']}")
+        else:
+            g_idx = torch.arange(inn) // (inn if self.group_size == -1 else self.group_size)
+        q = unpack_words(qweight, 4, 0)  # [in, out]
+        zeros = unpack_words(tensors["qzeros"], 4, 1)[:, :out] + self.zero_offset
+        scales = tensors["scales"].float()
+        return q.sub_(zeros[g_idx]).mul_(scales[g_idx]).t()
+
+
+# AWQ's GEMM kernels store the eight 4-bit columns of a word in the order 0, 2, 4, 6, 1, 3, 5, 7;
+# field j of a word holds column _AWQ_ORDER[j], so column k is field _AWQ_REVERSE[k].
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_AWQ_REVERSE = tuple(_AWQ_ORDER.index(k) for k in range(8))
+
+
+class AWQ(_Int4Packed):
+    """`quant_method: awq`, version gemm: qweight [in, out / 8] and qzeros [groups, out / 8]
+    packed along the output in AWQ's interleaved order, scales [groups, out]."""
+
+    method = "awq"
+
+    def __init__(self, qc: dict[str, Any]) -> None:
+        super().__init__(qc)
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise refuse("awq", f"version {qc.get('version')!r} (only the gemm layout)")
+        if not qc.get("zero_point", True):
+            raise refuse("awq", "zero_point=false")
+        if self.group_size == -1:
+            raise refuse("awq", "group_size -1")
+
+    def describe(self) -> str:
+        return f"awq (int4 gemm, group {self.group_size})"
+
+    def dequantize(self, qw, tensors):
+        qweight = tensors["qweight"]
+        if qweight.dim() != 2:
+            raise ValueError(f"{qw.parts['qweight']} has shape {tuple(qweight.shape)}; 2-D")
+        inn, out = qweight.shape[0], qweight.shape[1] * 8
+        groups = self._groups(inn)
+        self._check(qw, tensors, "qweight", (inn, out // 8))
+        self._check(qw, tensors, "scales", (groups, out))
+        self._check(qw, tensors, "qzeros", (groups, out // 8))
+        q = unpack_words(qweight, 4, 1, _AWQ_REVERSE)  # [in, out]
+        zeros = unpack_words(tensors["qzeros"], 4, 1, _AWQ_REVERSE)
+        g_idx = torch.arange(inn) // self.group_size
+        return q.sub_(zeros[g_idx]).mul_(tensors["scales"].float()[g_idx]).t()
