@@ -40,6 +40,10 @@ from genserve.srt.tokenizer_manager import (
 from genserve.supervision import ProcessSupervisor, RestartPolicy
 
 logger = logging.getLogger(__name__)
+# Engines started together (`genserve serve` with several LLMs) load their tokenizers one at a
+# time: transformers resolves its lazy module attributes unsafely from two threads at once
+# ("module 'transformers' has no attribute 'PreTrainedTokenizerFast'").
+_FOLDER_LOAD_LOCK = threading.Lock()
 
 
 class EngineDeadError(RuntimeError):
@@ -64,8 +68,6 @@ class AsyncEngine(LLMEngineClient):
 
     def __init__(self, args: EngineArgs | None = None, log_level: str = "info",
                  restart_policy: RestartPolicy | None = None) -> None:
-        from genserve.srt.tokenizer_manager import load_tokenizer
-
         args = args or EngineArgs()
         self._log_level = log_level
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -77,19 +79,15 @@ class AsyncEngine(LLMEngineClient):
             "the LLM scheduler process", lambda: self._spawn(self.args)[0], restart_policy)
         self.args = args
         pid, ready = self._spawn(args)
-        folder = Path(ready.pop("folder"))
-        # Restarts load the resolved folder: a GGUF is converted once.
-        self.args = replace(args, model_path=str(folder))
+        try:
+            self._load_from_folder(Path(ready.pop("folder")), args)
+        except BaseException:
+            # The scheduler process ignores SIGTERM, so left running it would keep this
+            # process from exiting (multiprocessing joins its children at exit).
+            self.close()
+            raise
         name = ready["model_name"]
         self.model_name = name
-        self.tokenizer = load_tokenizer(folder)
-        from genserve.srt.multimodal.processor import VisionInputProcessor
-
-        self.vision = VisionInputProcessor.from_folder(folder, args.max_images_per_request)
-        from genserve.srt.pooling_config import read_pooling_spec
-
-        # Embedders and rerankers: their pooling (prompts, Matryoshka); None for a chat model.
-        self.pooling = read_pooling_spec(folder, args.is_embedding)
         self.task = self.pooling.task if self.pooling is not None else "generate"
         self.embedding_size = int(ready.get("hidden_size") or 0)
         self.modalities = ("text", "image") if self.vision is not None else ("text",)
@@ -100,6 +98,21 @@ class AsyncEngine(LLMEngineClient):
         self.generation_defaults = dict(ready.get("generation_defaults") or {})
         self._lora: dict[str, str] = dict(ready.get("lora_adapters") or {})
         self.supervisor.started(pid)
+
+    def _load_from_folder(self, folder: Path, args: EngineArgs) -> None:
+        """The gateway's side of the model: tokenizer, vision input rules and pooling, from the
+        folder the scheduler resolved. One engine at a time (`_FOLDER_LOAD_LOCK`)."""
+        from genserve.srt.multimodal.processor import VisionInputProcessor
+        from genserve.srt.pooling_config import read_pooling_spec
+        from genserve.srt.tokenizer_manager import load_tokenizer
+
+        # Restarts load the resolved folder: a GGUF is converted once.
+        self.args = replace(args, model_path=str(folder))
+        with _FOLDER_LOAD_LOCK:
+            self.tokenizer = load_tokenizer(folder)
+            self.vision = VisionInputProcessor.from_folder(folder, args.max_images_per_request)
+        # Embedders and rerankers: their pooling (prompts, Matryoshka); None for a chat model.
+        self.pooling = read_pooling_spec(folder, args.is_embedding)
 
     def _spawn(self, args: EngineArgs) -> tuple[int, dict[str, Any]]:
         """Start a scheduler process and wait until its model is loaded: (pid, its model info

@@ -121,3 +121,61 @@ def test_llms_on_a_gpu_start_one_after_another(monkeypatch):
     assert [c.model_name for c in clients] == ["a", "b"]
     assert overlaps == [0, 0, 0]  # "c" never started
     assert serve._may_use_a_gpu("cuda") and not serve._may_use_a_gpu("cpu")
+
+
+FAIL_AFTER_SPAWN = """
+import multiprocessing, sys
+from genserve.srt.async_engine import AsyncEngine
+from genserve.srt.server_args import EngineArgs
+
+def broken(self, folder, args):
+    raise RuntimeError("tokenizer could not load")
+
+AsyncEngine._load_from_folder = broken
+try:
+    AsyncEngine(EngineArgs(model_path="shapes-vl", dtype="float32", max_total_tokens=1024))
+except RuntimeError as exc:
+    print("raised:", exc, flush=True)
+print("children:", [p.pid for p in multiprocessing.active_children()], flush=True)
+"""
+
+
+def test_an_engine_failing_after_its_scheduler_started_stops_it_and_exits():
+    """The scheduler process ignores SIGTERM; an engine whose gateway-side load (tokenizer,
+    vision rules) fails must stop it, or the process hangs at exit joining it."""
+    result = subprocess.run([sys.executable, "-c", FAIL_AFTER_SPAWN], capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "raised: tokenizer could not load" in result.stdout
+    assert "children: []" in result.stdout
+
+
+def test_engines_started_together_load_their_tokenizers_one_at_a_time(monkeypatch, tmp_path):
+    """transformers resolves its lazy attributes unsafely from two threads at once, which
+    failed one of two LLMs starting together; the gateway-side loads take turns."""
+    import threading
+
+    from genserve.srt import async_engine, tokenizer_manager
+    from genserve.srt.server_args import EngineArgs
+
+    inside, most, lock = [0], [0], threading.Lock()
+
+    def load(folder):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.2)
+        with lock:
+            inside[0] -= 1
+
+    monkeypatch.setattr(tokenizer_manager, "load_tokenizer", load)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # a text-only model
+    engines = [async_engine.AsyncEngine.__new__(async_engine.AsyncEngine) for _ in range(3)]
+    threads = [threading.Thread(target=e._load_from_folder, args=(tmp_path, EngineArgs()))
+               for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert most[0] == 1
+    assert all(e.pooling is None and e.vision is None for e in engines)
