@@ -43,6 +43,7 @@ def _decode_batch(hq=6, hkv=2, d=16, layout=None):
     runner = ModelRunner.__new__(ModelRunner)
     runner.device = torch.device("cpu")
     runner.req_to_token_pool, runner.token_to_kv_pool = r2t, pool
+    runner.lora = None  # no adapters served
     backend = TorchAttnBackend()
     runner.attn_backend = backend
     rows = list(range(len(seq_lens)))
