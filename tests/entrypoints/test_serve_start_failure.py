@@ -3,27 +3,22 @@ server left hanging on the runtimes that did start."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from tests.serve_process import free_port
+
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_later_llm_failing_to_start_exits_and_stops_the_earlier_one(tmp_path):
     # shapes-vl starts; the empty folder after it is no model. The started runtime used to
     # keep the failed server from exiting.
     cmd = [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-diffusion",
-           "--port", str(_free_port()), "--model-path", "shapes-vl",
+           "--port", str(free_port()), "--model-path", "shapes-vl",
            "--model-path", str(tmp_path)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
@@ -124,7 +119,7 @@ def test_llms_on_a_gpu_start_one_after_another(monkeypatch):
 
 
 FAIL_AFTER_SPAWN = """
-import multiprocessing, sys
+import multiprocessing, os, sys
 from genserve.srt.async_engine import AsyncEngine
 from genserve.srt.server_args import EngineArgs
 
@@ -136,7 +131,17 @@ try:
     AsyncEngine(EngineArgs(model_path="shapes-vl", dtype="float32", max_total_tokens=1024))
 except RuntimeError as exc:
     print("raised:", exc, flush=True)
-print("children:", [p.pid for p in multiprocessing.active_children()], flush=True)
+
+def running(pid):
+    # multiprocessing may still list a child that another thread's join reaped: ask the OS.
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+print("children:", [p.pid for p in multiprocessing.active_children() if running(p.pid)],
+      flush=True)
 """
 
 
