@@ -29,20 +29,6 @@ if not data_parallel.router_available():
     missing("sglang-router", module_level=True)
 
 
-def _free_port_run(n: int) -> int:
-    """A port p with p .. p+n-1 all free on loopback."""
-    for _ in range(50):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        try:
-            data_parallel.check_ports_free("127.0.0.1", range(base, base + n))
-        except ValueError:
-            continue
-        return base
-    raise RuntimeError("no run of free ports")
-
-
 def _wait(predicate, timeout: float, what: str, state=lambda: None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -57,7 +43,7 @@ def _wait(predicate, timeout: float, what: str, state=lambda: None) -> None:
 def cluster():
     """`genserve serve --dp 2` (round_robin) on a free port run; yields (router url, replica
     urls, launcher process)."""
-    port = _free_port_run(3)
+    port = free_port()  # with the 3 ports above it free
     log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--dp", "2",
@@ -186,7 +172,7 @@ def test_a_dead_replica_leaves_the_rotation_and_is_restarted(cluster):
 
 
 def test_port_in_use_is_a_clear_start_up_error():
-    port = _free_port_run(3)
+    port = free_port()  # with the 3 ports above it free
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", port + 2))
         busy.listen()

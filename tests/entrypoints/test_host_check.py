@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 from starlette.applications import Starlette
-from starlette.responses import PlainTextResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
@@ -18,16 +17,7 @@ from genserve.entrypoints.middleware import (
     host_name,
 )
 from genserve.entrypoints.serve import gateway_config_from
-
-
-async def page(request):
-    return PlainTextResponse("ok")
-
-
-async def echo(ws):
-    await ws.accept()
-    await ws.send_text("hello")
-    await ws.close()
+from tests.entrypoints.test_auth_webui import echo, page
 
 
 def _client(allowed: tuple[str, ...]) -> TestClient:
