@@ -1,14 +1,17 @@
 """Data parallel behind sglang-router: router overhead and cache-aware routing.
 
 1. Overhead: the same workload (concurrent /v1/completions) sent to one replica directly and
-   through the router in front of it, alternating A/B rounds; output tok/s and the ratio
-   (target >= 0.9x).
+   through the router in front of it, in rounds that alternate which side goes first, with the
+   replica's prefix cache flushed before each pass (neither side gets the other's cache hits);
+   output tok/s and the median ratio (target >= 0.9x).
 2. Routing: two replicas, a shared-prefix workload (P system prompts, Q questions each, sent in
    an order that splits each prompt's questions), prefix-cache hit rate (cached / prompt
    tokens, from the replicas' `meta_info`) with `cache_aware` and with `round_robin`.
 
-Replicas are `genserve serve --no-diffusion` on loopback ports (SmolLM2 by default).
-Usage: python benchmarks/bench_dp.py [--requests 32] [--concurrency 8] [--rounds 3]
+Replicas are `genserve serve --no-diffusion --dtype float32 --quantization none --no-compile`
+on loopback ports (SmolLM2 by default; the mode is pinned: `auto` may pick per start).
+Usage: python benchmarks/bench_dp.py [--requests 32] [--concurrency 8] [--rounds 4]
+       python benchmarks/bench_dp.py --smoke    # a tiny random model: checks the script
 """
 
 from __future__ import annotations
@@ -108,20 +111,27 @@ async def _throughput(
         return tokens / (time.perf_counter() - t0)
 
 
-def bench_overhead(args: argparse.Namespace, flags: list[str]) -> dict:
-    with replica(flags) as direct, router([direct], "round_robin") as routed:
+def _flush(*urls: str) -> None:
+    for url in urls:
+        httpx.post(url + "/flush_cache", timeout=60).raise_for_status()
+
+
+def bench_overhead(args: argparse.Namespace, direct: str) -> dict:
+    with router([direct], "round_robin") as routed:
         model = _served_model(direct)
         asyncio.run(_throughput(direct, model, 4, 4, 4))  # warm-up
+        sides = {"direct": direct, "router": routed}
         ratios, rows = [], []
-        for _ in range(args.rounds):
-            a = asyncio.run(
-                _throughput(direct, model, args.requests, args.concurrency, args.tokens)
-            )
-            b = asyncio.run(
-                _throughput(routed, model, args.requests, args.concurrency, args.tokens)
-            )
-            ratios.append(b / a)
-            rows.append({"direct_tok_s": round(a, 1), "router_tok_s": round(b, 1)})
+        for r in range(args.rounds):
+            order = ["direct", "router"] if r % 2 == 0 else ["router", "direct"]
+            tok_s = {}
+            for side in order:
+                _flush(direct)  # the router's replica: no pass reuses the other's prompts
+                tok_s[side] = asyncio.run(_throughput(sides[side], model, args.requests,
+                                                      args.concurrency, args.tokens))
+            ratios.append(tok_s["router"] / tok_s["direct"])
+            rows.append({"first": order[0], "direct_tok_s": round(tok_s["direct"], 1),
+                         "router_tok_s": round(tok_s["router"], 1)})
     return {"rounds": rows, "median_ratio": round(statistics.median(ratios), 3),
             "target": 0.9, "ok": statistics.median(ratios) >= 0.9}
 
@@ -145,14 +155,12 @@ def _hit_rate(url: str, prefixes: int, questions: int) -> float:
     return cached / prompt
 
 
-def bench_routing(args: argparse.Namespace, flags: list[str]) -> dict:
+def bench_routing(args: argparse.Namespace, a: str, b: str) -> dict:
     out = {}
-    with replica(flags) as a, replica(flags) as b:
-        for policy in ("round_robin", "cache_aware"):
-            for url in (a, b):
-                httpx.post(url + "/flush_cache", timeout=60).raise_for_status()
-            with router([a, b], policy) as routed:
-                out[policy] = round(_hit_rate(routed, args.prefixes, args.questions), 3)
+    for policy in ("round_robin", "cache_aware"):
+        _flush(a, b)
+        with router([a, b], policy) as routed:
+            out[policy] = round(_hit_rate(routed, args.prefixes, args.questions), 3)
     return {"hit_rate": out, "prefixes": args.prefixes, "questions": args.questions}
 
 
@@ -161,16 +169,32 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4, help="overhead rounds (even: each side "
+                   "goes first as often)")
     p.add_argument("--prefixes", type=int, default=4)
     p.add_argument("--questions", type=int, default=4)
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    p.add_argument("--quantization", default="none",
+                   help="the replicas' --quantization (pinned: `auto` may pick per start)")
     p.add_argument("--model-path", default=None)
+    p.add_argument("--smoke", action="store_true",
+                   help="a tiny random model, 2 requests of 2 tokens, 2 rounds, 2 x 2 prompts")
     args = p.parse_args()
-    flags = ["--num-threads", str(args.threads), "--dtype", "float32"]
+    if args.smoke:
+        from genserve.bench.tiny import tiny_chat_model
+
+        args.model_path = args.model_path or str(tiny_chat_model())
+        args.requests = args.concurrency = args.tokens = args.rounds = 2
+        args.prefixes = args.questions = 2
+    flags = ["--num-threads", str(args.threads), "--dtype", "float32",
+             "--quantization", args.quantization, "--no-compile"]
     if args.model_path:
         flags += ["--model-path", args.model_path]
-    results = {"overhead": bench_overhead(args, flags), "routing": bench_routing(args, flags)}
+    # Both parts share the two replicas (each start costs tens of seconds on a CPU); the
+    # overhead part uses the first one alone.
+    with replica(flags) as a, replica(flags) as b:
+        results = {"quantization": args.quantization, "overhead": bench_overhead(args, a),
+                   "routing": bench_routing(args, a, b)}
     print(json.dumps(results, indent=1))
     return 0
 

@@ -1,9 +1,11 @@
 """genserve.lang benchmark: prefix sharing through the frontend, measured side by side.
 
     python benchmarks/bench_lang.py            # both workloads, JSON summary at the end
+    python benchmarks/bench_lang.py --smoke    # a tiny random model, 1 round: checks the script
 
-Two real `genserve serve` processes (the embedded SmolLM2-135M-Instruct, float32), one after the
-other on the same machine: one with the radix cache, one with `--disable-radix-cache`.
+Two real `genserve serve` processes (the embedded SmolLM2-135M-Instruct, float32, unquantized,
+eager: `--quantization none --no-compile`, the configuration docs/benchmarks.md describes), one
+after the other on the same machine: one with the radix cache, one with `--disable-radix-cache`.
 
 1. Tree of thought: a 512-token shared context, then fork 4 (each branch generates 32 tokens),
    then each branch forks 4 again (32 tokens each): 20 generations. The same program runs on
@@ -38,12 +40,14 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, *extra: str) -> None:
+    def __init__(self, args: argparse.Namespace, *extra: str) -> None:
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
+        model = ["--model-path", args.model_path] if args.model_path else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-diffusion",
-             "--port", str(port), "--dtype", "float32", "--max-total-tokens", "32768", *extra],
+             "--port", str(port), "--dtype", "float32", "--quantization", args.quantization,
+             "--no-compile", "--max-total-tokens", "32768", *model, *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -146,9 +150,19 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--out-len", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--quantization", default="none",
+                    help="the servers' --quantization (pinned: `auto` may pick per start)")
+    ap.add_argument("--model-path", default=None, help="default: the embedded SmolLM2")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny random model, a 32-token context, fork 2 x 2 tokens, 1 round")
     args = ap.parse_args()
-    results: dict = {}
-    radix = Server()
+    if args.smoke:
+        from genserve.bench.tiny import tiny_chat_model
+
+        args.model_path = args.model_path or str(tiny_chat_model())
+        args.context_tokens, args.width, args.out_len, args.rounds = 32, 2, 2, 1
+    results: dict = {"quantization": args.quantization}
+    radix = Server(args)
     try:
         context = context_text(RuntimeEndpoint(radix.url), args.context_tokens)
         results["tree_radix"] = bench_tree(radix.url, context, args.width, args.out_len,
@@ -160,7 +174,7 @@ def main() -> None:
         print("select:", results["select"], flush=True)
     finally:
         radix.close()
-    plain = Server("--disable-radix-cache")
+    plain = Server(args, "--disable-radix-cache")
     try:
         results["tree_no_cache"] = bench_tree(plain.url, context, args.width, args.out_len,
                                               args.rounds)

@@ -2,14 +2,17 @@
 on the embedded SmolLM2-135M-Instruct:
 
  1. JSON extraction, 64 requests (a schema with long property names, enums and nested
-    objects): throughput with jump-forward on vs off, every output validated against the
-    schema.
+    objects), the same prompts greedy with jump-forward on vs off: every output validated
+    against the schema, how many texts are equal on both sides, and the speed-up in
+    requests/s (a fair measure only where the texts are equal) and in output characters/s
+    (the per-output measure that holds where they differ).
  2. Mask cost at batch 16: the median decode step with 16 constrained requests (jump-forward
     off, so every step samples under the bitmask) vs 16 unconstrained ones.
  3. Compile cache: the same schema sent 8 times over HTTP compiles once
     (`genserve:grammar_compiles` in /metrics).
 
     python benchmarks/bench_structured.py [--requests 64] [--json-out result.json]
+    python benchmarks/bench_structured.py --smoke    # a tiny random model: checks the script
 """
 
 from __future__ import annotations
@@ -65,12 +68,13 @@ def prompts(tokenizer, n: int) -> list[str]:
 def extraction(args) -> dict:
     from genserve import Engine
 
-    results = {}
+    results: dict = {}
+    texts_out: dict[str, list[str]] = {}
     for jump in (True, False):
-        engine = Engine(dtype="float32", max_total_tokens=32768, max_running_requests=64,
-                        jump_forward=jump)
+        engine = Engine(args.model_path, dtype="float32", max_total_tokens=32768,
+                        max_running_requests=64, jump_forward=jump)
         texts = prompts(engine.tokenizer, args.requests)
-        params = {"max_new_tokens": 400, "temperature": 0,
+        params = {"max_new_tokens": args.max_new_tokens, "temperature": 0,
                   "json_schema": json.dumps(SCHEMA)}
         engine.generate(texts[0], params)  # warm-up: compile the grammar, first forward
         engine.flush_cache()
@@ -84,16 +88,26 @@ def extraction(args) -> dict:
             jsonschema.validate(json.loads(out["text"]), SCHEMA)
         stats = engine.scheduler.stats
         tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+        chars = sum(len(o["text"]) for o in outs)
+        texts_out["on" if jump else "off"] = [o["text"] for o in outs]
         results["on" if jump else "off"] = {
             "seconds": seconds, "requests_per_s": len(outs) / seconds,
             "output_tokens_per_s": tokens / seconds, "output_tokens": tokens,
+            "output_chars_per_s": chars / seconds,
             "forward_passes": (stats["decode_steps"] + stats["prefill_batches"]
                                - before["decode_steps"] - before["prefill_batches"]),
             "jump_forward_tokens": stats["jump_forward_tokens"] - before["jump_forward_tokens"],
             "valid_outputs": len(outs)}
         print(f"jump-forward {'on ' if jump else 'off'}: {seconds:.1f} s, "
               f"{len(outs) / seconds:.2f} req/s, {results['on' if jump else 'off']}", flush=True)
+        engine.shutdown()
+    equal = sum(a == b for a, b in zip(texts_out["on"], texts_out["off"], strict=True))
+    results["texts_equal"] = f"{equal}/{args.requests}"
+    # requests/s compares the same work only where both sides wrote the same texts; output
+    # characters/s is the per-output measure either way.
     results["speedup"] = results["on"]["requests_per_s"] / results["off"]["requests_per_s"]
+    results["speedup_per_output_char"] = (results["on"]["output_chars_per_s"]
+                                          / results["off"]["output_chars_per_s"])
     return results
 
 
@@ -105,7 +119,8 @@ def mask_cost(args) -> dict:
     words = {"type": "object", "properties": {"words": {
         "type": "array", "items": {"type": "string", "enum": ["alpha", "beta", "gamma"]},
         "minItems": 60, "maxItems": 60}}, "required": ["words"]}
-    engine = Engine(dtype="float32", max_total_tokens=32768, jump_forward=False)
+    engine = Engine(args.model_path, dtype="float32", max_total_tokens=32768,
+                    jump_forward=False)
     sched = engine.scheduler
     ids = engine.tokenizer.encode(prompts(engine.tokenizer, 1)[0])
     medians = {}
@@ -126,6 +141,7 @@ def mask_cost(args) -> dict:
                     times.append(time.perf_counter() - start)
             medians[name] = statistics.median(times)
             engine.flush_cache()
+    engine.shutdown()
     ratio = medians["constrained"] / medians["unconstrained"]
     print(f"decode step at batch {args.batch}: unconstrained "
           f"{medians['unconstrained'] * 1e3:.1f} ms, constrained "
@@ -135,7 +151,7 @@ def mask_cost(args) -> dict:
             "constrained_step_ms": medians["constrained"] * 1e3, "mask_overhead": ratio - 1}
 
 
-def compile_count() -> dict:
+def compile_count(args) -> dict:
     import httpx
     import uvicorn
 
@@ -148,7 +164,8 @@ def compile_count() -> dict:
     ready = threading.Event()
 
     async def serve() -> None:
-        engine = AsyncEngine(EngineArgs(dtype="float32", max_total_tokens=8192))
+        engine = AsyncEngine(EngineArgs(model_path=args.model_path, dtype="float32",
+                                        max_total_tokens=8192))
         server = uvicorn.Server(uvicorn.Config(create_app(GatewayConfig(), [engine]),
                                                host="127.0.0.1", port=0, log_level="warning",
                                                lifespan="off"))
@@ -166,11 +183,12 @@ def compile_count() -> dict:
     thread.start()
     ready.wait(300)
     url = box["url"]
-    body = {"model": httpx.get(url + "/v1/models").json()["data"][0]["id"], "max_tokens": 120,
+    body = {"model": httpx.get(url + "/v1/models").json()["data"][0]["id"],
+            "max_tokens": args.max_new_tokens,
             "temperature": 0, "messages": [{"role": "user", "content": "An order as JSON."}],
             "response_format": {"type": "json_schema",
                                 "json_schema": {"name": "order", "schema": SCHEMA}}}
-    for _ in range(8):
+    for _ in range(args.schema_requests):
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
         jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), SCHEMA)
     metrics = httpx.get(url + "/metrics").text
@@ -178,7 +196,7 @@ def compile_count() -> dict:
     thread.join(60)
     line = next(x for x in metrics.splitlines() if x.startswith("genserve:grammar_compiles{"))
     hits = next(x for x in metrics.splitlines() if x.startswith("genserve:grammar_cache_hits{"))
-    result = {"requests": 8, "compiles": float(line.split()[-1]),
+    result = {"requests": args.schema_requests, "compiles": float(line.split()[-1]),
               "cache_hits": float(hits.split()[-1])}
     print(f"compile cache: {result}", flush=True)
     return result
@@ -189,10 +207,21 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--mask-tokens", type=int, default=96)
+    parser.add_argument("--max-new-tokens", type=int, default=400)
+    parser.add_argument("--schema-requests", type=int, default=8,
+                        help="requests with the same schema for the compile cache")
+    parser.add_argument("--model-path", default=None, help="default: the embedded SmolLM2")
     parser.add_argument("--json-out", default=None)
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny random model, 2 requests, batch 2: checks the script")
     args = parser.parse_args()
+    if args.smoke:
+        from genserve.bench.tiny import tiny_chat_model
+
+        args.model_path = args.model_path or str(tiny_chat_model())
+        args.requests, args.batch, args.mask_tokens, args.schema_requests = 2, 2, 4, 2
     result = {"extraction": extraction(args), "mask_cost": mask_cost(args),
-              "compile_cache": compile_count()}
+              "compile_cache": compile_count(args)}
     print(json.dumps(result, indent=2))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2))
