@@ -9,6 +9,7 @@ throughput ratio to chat completions, and whether its answers equal chat complet
 so they must).
 
     python benchmarks/bench_client_apis.py [--requests 64] [--concurrency 8] [--rounds 3]
+    python benchmarks/bench_client_apis.py --smoke   # a tiny random model: checks the script
 """
 
 from __future__ import annotations
@@ -122,9 +123,17 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model-path", default=None, help="default: the embedded SmolLM2")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny random model, 2 requests, 1 round: checks the script")
     args = parser.parse_args()
-    with serve_process("--model-path", str(smollm2_folder()), "--max-total-tokens",
-                       "8192") as url:
+    if args.smoke:
+        from genserve.bench.tiny import tiny_chat_model
+
+        args.model_path = args.model_path or str(tiny_chat_model())
+        args.requests, args.concurrency, args.rounds = 2, 2, 1
+    model = args.model_path or str(smollm2_folder())
+    with serve_process("--model-path", model, "--max-total-tokens", "8192") as url:
         result = asyncio.run(bench(url, args))
     print(json.dumps({"requests": args.requests, "concurrency": args.concurrency,
                       "rounds": args.rounds, "max_tokens": MAX_TOKENS, "paths": result},

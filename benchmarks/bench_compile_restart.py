@@ -2,6 +2,7 @@
 
     cpulock python benchmarks/bench_compile_restart.py            # embedded SmolLM2, defaults
     python benchmarks/bench_compile_restart.py -- --model-path F.gguf
+    python benchmarks/bench_compile_restart.py --smoke   # a tiny model, eager: checks the script
 
 Starts `genserve serve --no-diffusion` (plus the flags after `--`) three times, one at a time,
 and measures from launching the process to the first streamed token of a chat request:
@@ -87,7 +88,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="restart pairs measured")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("flags", nargs="*", help="extra `genserve serve` flags (after --)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny random model, eager, float32 (no compile, so no cache hit): "
+                    "the three starts of one round, to check the script")
     args = ap.parse_args()
+    if args.smoke:
+        from genserve.bench.tiny import tiny_chat_model
+
+        args.flags = ["--model-path", str(tiny_chat_model()), "--no-compile", "--quantization",
+                      "none", "--dtype", "float32", *args.flags]
+        args.rounds = 1
     work = Path(tempfile.mkdtemp(prefix="bench_compile_restart_"))
     env = {**os.environ, "GENSERVE_COMPILE_CACHE_DIR": str(work / "genserve"),
            "TORCHINDUCTOR_CACHE_DIR": str(work / "torch0")}

@@ -2,6 +2,7 @@
 
     cpulock python benchmarks/bench_cpu_chat.py            # embedded SmolLM2 Q4_1 GGUF
     python benchmarks/bench_cpu_chat.py --gguf F.gguf --modes auto,none --tokens 64
+    python benchmarks/bench_cpu_chat.py --smoke  # genserve alone, a tiny model: checks the script
 
 Needs `pip install 'llama-cpp-python[server]'` (not part of CI). Each server runs alone (one is
 stopped before the next starts) with the same prompts through `/v1/chat/completions` streaming:
@@ -206,9 +207,17 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--skip-llama-cpp", action="store_true")
+    p.add_argument("--smoke", action="store_true",
+                   help="genserve only (unquantized, eager) on a tiny random model (not a GGUF, "
+                   "so no llama.cpp), 4 tokens, 2 streams: checks the script")
     args = p.parse_args()
     from genserve.srt.model_loader import embedded_gguf_path
 
+    if args.smoke:
+        from genserve.bench.tiny import tiny_chat_model
+
+        args.gguf, args.skip_llama_cpp = str(tiny_chat_model()), True
+        args.modes, args.tokens, args.streams = "none+nocompile", 4, 2
     args.embedded = args.gguf is None
     gguf = Path(args.gguf) if args.gguf else embedded_gguf_path()
     flags = ""

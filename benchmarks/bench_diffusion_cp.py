@@ -9,6 +9,7 @@ settings use the same cores; on CUDA rank r takes GPU r. Prints per-setting late
 ratio, the largest pixel difference between the settings, and a JSON summary.
 
 Usage (CPU):  python benchmarks/bench_diffusion_cp.py [--model tiny-flux] [--size 256]
+Smoke run:    python benchmarks/bench_diffusion_cp.py --smoke   # 32 px, 1 step, 1 request
 GPU box:      python benchmarks/bench_diffusion_cp.py --device cuda --cp 2 \\
                   --model /models/FLUX.1-dev --size 1024 --steps 28 --requests 3
 """
@@ -61,7 +62,7 @@ def run(cp: int, args: argparse.Namespace, threads: int) -> tuple[list[float], n
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-flux")
     p.add_argument("--device", default="auto")
     p.add_argument("--cp", type=int, default=2)
@@ -69,7 +70,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--smoke", action="store_true",
+                   help="32x32, 1 step, 1 request, 1 round: checks the script")
     args = p.parse_args()
+    if args.smoke:
+        args.size, args.steps, args.requests, args.rounds = 32, 1, 1, 1
     cores = len(os.sched_getaffinity(0))
     latencies: dict[int, list[float]] = {1: [], args.cp: []}
     pixels: dict[int, np.ndarray] = {}

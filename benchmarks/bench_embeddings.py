@@ -7,6 +7,7 @@ pooling + Normalize) saved as a sentence-transformers folder; the batch is 256 s
 run float32 on the CPU with the same torch threads. Prints texts/s of each and the ratio.
 
     python benchmarks/bench_embeddings.py [--rounds 3] [--texts 256]
+    python benchmarks/bench_embeddings.py --smoke    # a 1-layer, 32-wide encoder, 8 texts
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--texts", type=int, default=256)
+    parser.add_argument("--smoke", action="store_true",
+                        help="a 1-layer, 32-wide encoder, 8 texts, 1 round: checks the script")
     args = parser.parse_args()
+    hidden, layers = 384, 6
+    if args.smoke:
+        hidden, layers, args.texts, args.rounds = 32, 1, 8, 1
 
     import torch
     from sentence_transformers import SentenceTransformer
@@ -42,7 +48,7 @@ def main() -> None:
 
     batch = texts(args.texts)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = write_bert_embedder(Path(tmp) / "minilm-sized", hidden=384, layers=6)
+        folder = write_bert_embedder(Path(tmp) / "minilm-sized", hidden=hidden, layers=layers)
         reference = SentenceTransformer(str(folder), device="cpu")
         engine = Engine(str(folder), dtype="float32", device="cpu")
         ours = torch.tensor(engine.encode(batch[:8]))

@@ -3,6 +3,7 @@ one run, on the same machine, with the same model (SmolLM2-135M-Instruct, bf16 b
 
     python benchmarks/bench_offline.py                 # everything, JSON summary at the end
     python benchmarks/bench_offline.py --skip-hf       # without the slow HF baseline
+    python benchmarks/bench_offline.py --smoke         # a tiny random model: checks the script
 
 Workloads:
  1. shared prefix: G groups x P requests, S-token system prompt per group, Q-token question,
@@ -88,7 +89,18 @@ def main() -> None:
     )
     p.add_argument("--only", choices=["shared", "random", "decode"], default=None)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--decode-len", type=int, default=64, help="output tokens of workload 3")
+    p.add_argument("--smoke", action="store_true",
+                   help="every workload at a toy size on a tiny random model, float32")
     args = p.parse_args()
+    if args.smoke:
+        from genserve.bench.tiny import tiny_chat_model
+
+        args.model_path = args.model_path or str(tiny_chat_model())
+        args.dtype = "float32"
+        args.groups = args.per_group = args.output_len = args.random_num = 2
+        args.system_len, args.question_len, args.random_len = 16, 4, 8
+        args.random_output_len, args.decode_len = 2, 4
 
     from genserve import Engine
 
@@ -163,7 +175,7 @@ def main() -> None:
 
     if args.only in (None, "decode"):
         rng = random.Random(2)
-        out_len = 64
+        out_len = args.decode_len
         res = {}
         for bs in (1, 32):
             reqs = [rand_ids(rng, 16, vocab) for _ in range(bs)]

@@ -18,6 +18,7 @@
 Parts 3 and 4 run the real diffusion worker with the embedded tiny video model (`tiny-wan`).
 Usage: python benchmarks/bench_realtime.py [--seconds 5] [--rate 60] [--overload-rate 500]
        [--sessions 3] [--fps 24] [--skip-model]
+       python benchmarks/bench_realtime.py --smoke   # every part at a toy size: checks it
 """
 
 from __future__ import annotations
@@ -392,7 +393,11 @@ def main() -> int:
     parser.add_argument("--quality", type=int, default=80)
     parser.add_argument("--skip-model", action="store_true",
                         help="only the transport parts (no diffusion worker)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="0.1 s transport sessions, 1 latency session of 2 steps")
     args = parser.parse_args()
+    if args.smoke:
+        args.seconds, args.sessions, args.steps = 0.1, 1, 2
 
     warm_up_encoders()
     results: dict = {}

@@ -1,6 +1,7 @@
 """Latency of `shapes-vl` describing a picture over HTTP, image to full answer (issue 20).
 
     python benchmarks/bench_shapes_vl.py            # prints a JSON summary at the end
+    python benchmarks/bench_shapes_vl.py --smoke    # 1 picture, 2 at once: checks the script
 
 A real `genserve serve --model-path <shapes-vl>` (float32, no diffusion) is started twice, with
 the radix cache and with --disable-radix-cache, and each is sent, through
@@ -63,14 +64,15 @@ def ms(xs: list[float]) -> dict[str, float]:
     return {"median_ms": round(1000 * statistics.median(xs), 1), "max_ms": round(1000 * max(xs), 1)}
 
 
-def run(flags: list[str], scenes: list[world.Scene], pictures: list[bytes]) -> dict:
+def run(flags: list[str], scenes: list[world.Scene], pictures: list[bytes],
+        batch1: int = 8, burst_size: int = 16) -> dict:
     with serve_process("--model-path", str(WEIGHTS_PATH), *flags) as url:
         describe(url, pictures[9])  # warm-up (not one of the measured pictures)
-        fresh = [describe(url, p) for p in pictures[:8]]
-        again = [describe(url, pictures[0]) for _ in range(8)]
-        with concurrent.futures.ThreadPoolExecutor(16) as pool:  # a picture not seen yet
+        fresh = [describe(url, p) for p in pictures[:batch1]]
+        again = [describe(url, pictures[0]) for _ in range(batch1)]
+        with concurrent.futures.ThreadPoolExecutor(burst_size) as pool:  # a new picture
             t = time.perf_counter()
-            burst = list(pool.map(lambda _: describe(url, pictures[8]), range(16)))
+            burst = list(pool.map(lambda _: describe(url, pictures[8]), range(burst_size)))
             wall = time.perf_counter() - t
     right = [world.parse_prompt(a) == s for (_, a), s in zip(fresh, scenes)]
     right += [world.parse_prompt(a) == scenes[0] for _, a in again]
@@ -78,7 +80,7 @@ def run(flags: list[str], scenes: list[world.Scene], pictures: list[bytes]) -> d
     return {
         "batch1_new_picture": ms([s for s, _ in fresh]),
         "batch1_same_picture": ms([s for s, _ in again]),
-        "concurrent16_same_picture": {
+        f"concurrent{burst_size}_same_picture": {
             **ms([s for s, _ in burst]),
             "wall_ms": round(1000 * wall, 1),
         },
@@ -87,7 +89,14 @@ def run(flags: list[str], scenes: list[world.Scene], pictures: list[bytes]) -> d
 
 
 def main() -> None:
+    import argparse
+
     from PIL import Image
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true",
+                    help="1 picture at batch 1 and 2 at once on each server: checks the script")
+    sizes = (1, 2) if ap.parse_args().smoke else (8, 16)
 
     scenes, pictures = vl_evaluate.held_out_pictures(10, seed=3, strength=0.0)
     big = [
@@ -95,8 +104,8 @@ def main() -> None:
         for p in pictures
     ]  # 128 px, as a pasted picture would be
     summary = {
-        "radix_cache": run([], scenes, big),
-        "no_radix_cache": run(["--disable-radix-cache"], scenes, big),
+        "radix_cache": run([], scenes, big, *sizes),
+        "no_radix_cache": run(["--disable-radix-cache"], scenes, big, *sizes),
     }
     print(json.dumps(summary, indent=2))
 

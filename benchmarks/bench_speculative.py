@@ -2,6 +2,7 @@
 
     python benchmarks/bench_speculative.py                    # the default model, as served
     python benchmarks/bench_speculative.py --draft-tokens 6 --max-tokens 96
+    python benchmarks/bench_speculative.py --smoke   # a tiny random model: checks the script
 
 Two engines on the embedded SmolLM2-135M-Instruct, set up as `genserve serve` sets it up
 (`--quantization auto`, compile by default), one plain and one with
@@ -137,7 +138,16 @@ def main() -> None:
                          "must be identical (bf16 extend and decode kernels round differently)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--limit", type=int, default=None, help="run only the first N of each set")
+    ap.add_argument("--model-path", default=None, help="default: the embedded SmolLM2")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny random model (unquantized, eager, float32), 1 request a set")
     args = ap.parse_args()
+    if args.smoke:
+        from genserve.bench.tiny import tiny_chat_model
+
+        args.model_path = args.model_path or str(tiny_chat_model())
+        args.quantization, args.compile, args.dtype = "none", False, "float32"
+        args.limit, args.max_tokens = 1, 8
 
     from genserve import Engine
 
@@ -148,7 +158,8 @@ def main() -> None:
     if args.min_window:
         spec_kw["speculative_ngram_min_match_window_size"] = args.min_window
         spec_kw["speculative_ngram_max_match_window_size"] = max(6, args.min_window)
-    engines = {"plain": Engine(None, **common), "ngram": Engine(None, **common, **spec_kw)}
+    engines = {"plain": Engine(args.model_path, **common),
+               "ngram": Engine(args.model_path, **common, **spec_kw)}
     tok = engines["plain"].tokenizer
     params = {"max_new_tokens": args.max_tokens, "temperature": 0}
     sets = {"grounded": grounded_prompts(), "free": FREE * 2}

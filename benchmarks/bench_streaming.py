@@ -17,6 +17,7 @@ Usage: python benchmarks/bench_streaming.py [--model tiny-helios] [--size 64x64]
        [--prompt TEXT]
        [--chunks 50] [--rss-chunks 200] [--streams 4] [--batch-chunks 6] [--device auto]
        [--json out.json]
+       python benchmarks/bench_streaming.py --smoke   # every part at a toy size: checks it
 """
 
 from __future__ import annotations
@@ -150,7 +151,12 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=5)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--smoke", action="store_true",
+                        help="1 step, 2 chunks, 2 streams of 1 chunk, 1 session: checks it")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.chunks, args.rss_chunks, args.batch_chunks = 1, 2, 2, 1
+        args.streams, args.sessions = 2, 1
 
     from genserve.multimodal_gen.launch import start_diffusion_client
 

@@ -2,6 +2,7 @@
 on the same machine and the same random weights.
 
     python benchmarks/bench_vlm.py            # prints a JSON summary at the end
+    python benchmarks/bench_vlm.py --smoke    # the smallest Qwen2-VL, 2 requests: checks it
 
 Workload: 16 requests, each the same 448x448 image and a different question, on a small
 random-weight Qwen2-VL with real layer widths (vision tower: 1280 wide, 16 heads, 14 px
@@ -37,7 +38,9 @@ QUESTIONS = [
 ]
 
 
-def build(folder: Path, vision_layers: int, text_layers: int) -> Path:
+def build(folder: Path, vision_layers: int, text_layers: int, smoke: bool = False) -> Path:
+    if smoke:  # the test suite's tiny Qwen2-VL: 64 wide, 2 + 2 layers
+        return make_tiny_qwen2_vl(folder)
     return make_tiny_qwen2_vl(
         folder,
         vision={"depth": vision_layers, "embed_dim": 1280, "num_heads": 16, "mlp_ratio": 4,
@@ -50,9 +53,9 @@ def build(folder: Path, vision_layers: int, text_layers: int) -> Path:
     )
 
 
-def prompts(engine) -> list[list[int]]:
+def prompts(engine, questions: list[str]) -> list[list[int]]:
     out = []
-    for q in QUESTIONS:
+    for q in questions:
         content = [{"type": "image"}, {"type": "text", "text": q}]
         text = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
@@ -80,16 +83,26 @@ def main() -> None:
     parser.add_argument("--vision-layers", type=int, default=2)
     parser.add_argument("--text-layers", type=int, default=4)
     parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--image-size", type=int, default=448, help="a multiple of 28")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest Qwen2-VL, a 56x56 image, 2 requests of 2 tokens")
     args = parser.parse_args()
-    image = png_bytes(448, 448, 0)
+    questions = QUESTIONS
+    if args.smoke:
+        args.image_size, args.output_len, questions = 56, 2, QUESTIONS[:2]
+        args.vision_layers = args.text_layers = 2  # what make_tiny_qwen2_vl builds
+    size = args.image_size
+    image_tokens = (size // 28) ** 2
+    image = png_bytes(size, size, 0)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build(Path(tmp) / "qwen2-vl-bench", args.vision_layers, args.text_layers)
+        folder = build(Path(tmp) / "qwen2-vl-bench", args.vision_layers, args.text_layers,
+                       args.smoke)
         from transformers import AutoTokenizer
 
         class _Tok:  # what prompts() reads from an engine
             tokenizer = AutoTokenizer.from_pretrained(folder)
 
-        reqs = prompts(_Tok)
+        reqs = prompts(_Tok, questions)
         n = len(reqs)
         radix_s, radix_out, radix_info = run_engine(folder, reqs, image, args.output_len, False)
         plain_s, plain_out, plain_info = run_engine(folder, reqs, image, args.output_len, True)
@@ -102,8 +115,8 @@ def main() -> None:
         hf_s = time.perf_counter() - t
     summary = {
         "requests": n,
-        "image": "448x448 (256 image tokens)",
-        "prompt_tokens_first": len(reqs[0]) + 255,
+        "image": f"{size}x{size} ({image_tokens} image tokens)",
+        "prompt_tokens_first": len(reqs[0]) + image_tokens - 1,
         "output_tokens_each": args.output_len,
         "vision_layers": args.vision_layers,
         "text_layers": args.text_layers,

@@ -3,6 +3,7 @@
     python benchmarks/fuzz_api.py                        # 4000 cases, starts its own server
     python benchmarks/fuzz_api.py --cases 300 --json     # a quicker run
     python benchmarks/fuzz_api.py --url http://127.0.0.1:30000
+    python benchmarks/fuzz_api.py --smoke                # one case per operation and mode
 
 Starts `genserve serve` on loopback (embedded SmolLM2 with a short context, the demo diffusion
 models) unless --url is given, then sends each operation valid (positive) and invalid
@@ -122,7 +123,11 @@ def main() -> int:
                    help="A request unanswered after this many seconds counts as a hang.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--smoke", action="store_true",
+                   help="one positive and one negative case per operation: checks the script")
     args = p.parse_args()
+    if args.smoke:
+        args.cases = 1  # per_operation is at least 1
 
     def run(url: str) -> FuzzReport:
         import schemathesis

@@ -2,6 +2,7 @@
 
     python benchmarks/soak.py --duration 600          # the 10-minute soak
     python benchmarks/soak.py --duration 60 --json    # a quick one
+    python benchmarks/soak.py --smoke                 # 20 s of traffic: checks the script
 
 Starts `genserve serve` on loopback (embedded SmolLM2, the demo diffusion models) and runs, side
 by side until --duration ends: LLM chat streams (some dropped by the client after a few chunks),
@@ -203,7 +204,10 @@ def main() -> int:
     p.add_argument("--max-rss-growth", type=float, default=5.0, help="Percent, per process.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="20 s of traffic, RSS after 5 s")
     args = p.parse_args()
+    if args.smoke:
+        args.duration, args.warmup = 20.0, 5.0
     warmup = args.duration / 5 if args.warmup is None else args.warmup
     with serve(*ROBUSTNESS_FLAGS) as server:
         result = asyncio.run(traffic(server, args.duration, warmup, args.seed, args.lanes))
