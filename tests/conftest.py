@@ -43,7 +43,8 @@ def pytest_configure(config):
 
 def _xdist_groups(items) -> dict:
     """Each test's xdist group: one per set of modules tied together by a shared runtime (a
-    module's tests always stay together: module fixtures start servers too)."""
+    module's tests always stay together: module fixtures start servers too). A module that sets
+    `SPREAD_ACROSS_WORKERS = True` shares nothing between its tests, which then spread."""
     parent: dict[str, str] = {}
 
     def find(x: str) -> str:
@@ -57,7 +58,8 @@ def _xdist_groups(items) -> dict:
         for name in SHARED_RUNTIMES:
             if name in getattr(item, "fixturenames", ()):
                 parent[find("fixture:" + name)] = module
-    return {item.nodeid: find(item.nodeid.split("::", 1)[0]) for item in items}
+    return {item.nodeid: item.nodeid if getattr(item.module, "SPREAD_ACROSS_WORKERS", False)
+            else find(item.nodeid.split("::", 1)[0]) for item in items}
 
 
 def pytest_collection_modifyitems(config, items):

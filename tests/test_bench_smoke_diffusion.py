@@ -13,6 +13,7 @@ import pytest
 from tests.bench_scripts import has_keys, last_json, run_smoke
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+SPREAD_ACROSS_WORKERS = True  # each script runs in its own process; nothing shared
 
 
 def test_bench_diffusion(tmp_path):

@@ -14,6 +14,7 @@ from tests.needs import missing, smollm2_folder
 
 smollm2_folder(module_level=True)  # the tiny model takes the embedded SmolLM2's tokenizer
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+SPREAD_ACROSS_WORKERS = True  # each script runs in its own process; nothing shared
 
 
 def _client_apis(out: str) -> None:
