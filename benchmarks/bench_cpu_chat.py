@@ -24,8 +24,9 @@ unique to the round (no prefix-cache hits across rounds):
   from the first to the last content chunk), summed over the chats; TTFT per chat;
 - `--streams` concurrent chats: aggregate output tok/s = completion tokens / wall time.
 Completion tokens come from each response's `usage` (streamed with
-`stream_options.include_usage`), never from counting chunks; requests ask for `ignore_eos` so
-each side generates `--tokens` tokens (a server that ignores the field is counted as it went).
+`stream_options.include_usage`); llama-cpp-python streams no usage, so its tokens are its
+content chunks (one a token, except where it holds text back), labelled `tokens_counted_from`.
+Requests ask for `ignore_eos` and `min_tokens` so that each side generates `--tokens` tokens.
 Prints per-round figures, then a JSON summary with the median and min-max of each side and the
 ratios genserve / peer.
 """
@@ -125,19 +126,21 @@ def tree_cpu_s(pid: int) -> float:
 
 
 def stream_chat(server: Server, prompt: str, max_tokens: int) -> dict:
-    """One streamed chat: TTFT, first and last content-chunk times, tokens from `usage`."""
+    """One streamed chat: TTFT, first and last content-chunk times, tokens from `usage` (from
+    the content chunks only where the server streams no usage: llama-cpp-python)."""
     body = {
         "model": server.model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
-        "temperature": 0,
+        "min_tokens": max_tokens,
         "ignore_eos": True,
+        "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
     first = last = None
-    usage = None
+    usage, chunks = None, 0
     with httpx.stream("POST", server.base + "/v1/chat/completions", json=body,
                       timeout=900) as r:
         r.raise_for_status()
@@ -150,11 +153,14 @@ def stream_chat(server: Server, prompt: str, max_tokens: int) -> dict:
             if choices and (choices[0].get("delta") or {}).get("content"):
                 last = time.perf_counter()
                 first = first or last
+                chunks += 1
     if first is None:
         raise RuntimeError(f"{server.name} streamed no content")
-    if not usage or not usage.get("completion_tokens"):
-        raise RuntimeError(f"{server.name} sent no usage in its stream")
-    return {"ttft": first - t0, "decode_s": last - first, "tokens": usage["completion_tokens"]}
+    if usage and usage.get("completion_tokens"):
+        tokens, counted = usage["completion_tokens"], "usage"
+    else:
+        tokens, counted = chunks, "chunks"
+    return {"ttft": first - t0, "decode_s": last - first, "tokens": tokens, "counted": counted}
 
 
 def single(server: Server, prompts: list[str], tokens: int) -> dict:
@@ -164,6 +170,7 @@ def single(server: Server, prompts: list[str], tokens: int) -> dict:
         "decode_tps": sum(o["tokens"] - 1 for o in outs) / decode_s if decode_s else 0.0,
         "ttft_ms": statistics.median(o["ttft"] for o in outs) * 1e3,
         "tokens": [o["tokens"] for o in outs],
+        "counted": sorted({o["counted"] for o in outs}),
     }
 
 
@@ -191,6 +198,7 @@ def concurrent(server: Server, prompts: list[str], tokens: int) -> dict:
             raise o
     total = sum(o["tokens"] for o in outs)
     return {"tps": total / wall, "tokens": total, "wall_s": wall,
+            "counted": sorted({o["counted"] for o in outs}),
             "ttft_ms_median": statistics.median(o["ttft"] for o in outs) * 1e3}
 
 
@@ -302,6 +310,8 @@ def summarize(sides: list[Side], args) -> dict:
             "single_decode_tps": spread([r["single"]["decode_tps"] for r in rs]),
             "single_ttft_ms": spread([r["single"]["ttft_ms"] for r in rs]),
             f"concurrent{args.streams}_tps": spread([r["concurrent"]["tps"] for r in rs]),
+            "tokens_counted_from": sorted({c for r in rs for part in ("single", "concurrent")
+                                           for c in r[part]["counted"]}),
             "max_idle_cpu_s_of_others": max((max(r["idle_cpu_s"].values(), default=0.0)
                                              for r in rs), default=0.0),
         }
