@@ -174,7 +174,8 @@ class MemoryPlan:
 
 
 def gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
+    """Bytes for a person: GiB, or MiB under one GiB (a tiny model's weights)."""
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / 2**20:.1f} MiB"
 
 
 def _pool_source(plan: MemoryPlan, llm: LLMDemand) -> str:
