@@ -123,8 +123,9 @@ def test_llms_start_at_once_under_the_memory_plan_and_a_failure_stops_its_wait(m
     planner = ServerMemoryPlanner(2, diffusion=False, fraction=0.5)
     clients: list = []
     asyncio.run(serve._start_llms(args, clients, planner))
-    # 0.5 GiB - 2 MiB of weights, split equally (same KV bytes x context): 2**18 tokens each.
-    assert [c.pool for c in clients] == [2**18, 2**18]
+    # 0.5 GiB - 2 MiB of weights, split equally (same KV bytes x context): 255 MiB each,
+    # 261120 tokens of 1 KiB, rounded down to 2**17.
+    assert [c.pool for c in clients] == [2**17, 2**17]
     assert planner.report()["devices"][0]["llms"][1]["name"] == "b"
 
     args = argparse.Namespace(model_path=["a", "bad", "c"], tp_size=1, device="cuda:0")
