@@ -11,7 +11,8 @@ is a FAILED row with the error's last line, and the run goes on):
                through the offline engine (benchmarks/bench_offline.py), torch vs triton
   flux         a random-weight FLUX.1-shaped transformer: genserve's pipeline vs plain diffusers
   video        a random-weight Helios-shaped streaming video model: frames per second
-  memory_plan  an 8B LLM + a FLUX-sized DiT on one card: weights, DiT peak, the KV pool left
+  memory_plan  an 8B LLM + a FLUX-sized DiT on one card: the server's memory plan from the
+               measured weights and DiT peak, its KV pool allocated beside them
 Random weights at real shapes measure speed without downloads. `--dry-run` runs every step at toy
 sizes on the CPU (no CUDA call), so a broken import or argument shows before a GPU is lent.
 The steps are in device_check_llm.py and device_check_diffusion.py; the full run's budgets add up

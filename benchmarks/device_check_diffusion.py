@@ -247,14 +247,23 @@ def dit_peak_bytes(ctx: Context, transformer, size: int) -> int:
 
 
 def step_memory_plan(ctx: Context) -> list[dict]:
-    """The plan issue 35 asks the server to make, made here by hand in today's order: the DiT's
-    weights and its peak at 1024x1024 (and the FLUX encoders' and VAE's weights, held as one
-    reserved block) stay resident; then an 8B engine starts with no memory flag and sizes its
-    KV pool from what is left (model_runner's rule: 0.85 of the card)."""
+    """The server's memory plan (genserve/memory_plan.py) for an 8B LLM beside a FLUX-sized DiT,
+    fed what this card measures: the DiT's weights and its peak at 1024x1024 (the FLUX
+    encoders' and VAE's weights, counted at their real shapes, held with the peak as one
+    reserved block), and the 8B runner's weights and KV bytes per token (loaded with a small
+    pool). The pool the plan gives is then allocated beside them, as `genserve serve` would,
+    and the same plan is made for an 80 GB card from these bytes."""
     import torch
 
     from genserve import Engine
-    from genserve.srt.model_runner import CUDA_MEM_FRACTION
+    from genserve.memory_plan import (
+        DeviceMemory,
+        DiffusionDemand,
+        LLMDemand,
+        MemoryPlanError,
+        plan_memory,
+    )
+    from genserve.srt.model_runner import device_memory
 
     ctx.require_device()
     counts = {"llama3_8b": llama_8b_parameters(ctx), **flux_component_parameters()}
@@ -267,38 +276,54 @@ def step_memory_plan(ctx: Context) -> list[dict]:
     others = 2 * sum(counts[k] for k in ("t5_xxl", "clip_l", "vae"))  # bf16
     reserved = others + peak if not ctx.dry_run else 0
     block = torch.empty(reserved, dtype=torch.uint8, device=ctx.device)
-    try:
-        # A dry run gives the toy a small pool: sized from host memory it could take GiBs.
-        engine = Engine(str(write_llm_config(ctx)), load_format="dummy",
-                        dtype=str(ctx.dtype).removeprefix("torch."), device=ctx.device.type,
-                        max_total_tokens=4096 if ctx.dry_run else None)
-    except ValueError as exc:
-        engine, refusal = None, str(exc)
     rows.append(row(f"DiT weights; its peak at {size}x{size}; T5-XXL + CLIP-L + VAE",
                     f"{gib(dit_bytes)}; {gib(peak) if not ctx.dry_run else 'not measured'}; "
                     f"{gib(others)}",
                     "peak and encoders held resident" if not ctx.dry_run else
                     "dry run: nothing reserved (CPU)"))
-    if engine is None:
-        rows.append(row("8B LLM beside them, no memory flag", "does not fit", refusal))
-    else:
-        runner = engine.runtime.runner
-        llm_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-        kv = runner.max_total_tokens * runner.kv_bytes_per_token()
-        total = torch.cuda.mem_get_info()[1] if not ctx.dry_run else 0
-        rows.append(row("8B LLM beside them, no memory flag: weights; KV pool left",
-                        f"{gib(llm_bytes)}; {runner.max_total_tokens} tokens ({gib(kv)})",
-                        f"this card {gib(total)}, mem_fraction {CUDA_MEM_FRACTION}" if total
-                        else "dry run: toy LLM, a fixed 4096-token pool"))
-        # The same sizing rule on an 80 GB card (what an H100 reports), from these bytes.
-        needed = llm_bytes + dit_bytes + others + peak + runner.activation_bytes()
-        left = CARD_80GB * CUDA_MEM_FRACTION - needed
-        tokens = int(max(0, left) // runner.kv_bytes_per_token())
-        rows.append(row("the same on an 80 GB card (computed)",
-                        f"{tokens} KV tokens" if tokens >= 256 else "does not fit",
-                        ("dry run, toy LLM and DiT: " if ctx.dry_run else "")
-                        + f"{gib(CARD_80GB)} x {CUDA_MEM_FRACTION} - {gib(needed)} "
-                        f"(weights, DiT peak, encoders, LLM activations) = {gib(left)}"))
-        engine.shutdown()
+    small_pool = 4096
+    try:
+        engine = Engine(str(write_llm_config(ctx)), load_format="dummy",
+                        dtype=str(ctx.dtype).removeprefix("torch."), device=ctx.device.type,
+                        max_total_tokens=small_pool)
+    except (ValueError, torch.cuda.OutOfMemoryError) as exc:
+        rows.append(row("8B LLM beside them", "does not load", error_line(exc)))
+        del block, transformer
+        return rows
+    runner = engine.runtime.runner
+    llm = LLMDemand("llama3-8b", sum(p.numel() * p.element_size()
+                                     for p in runner.model.parameters()),
+                    runner.kv_bytes_per_token(), runner.context_length,
+                    runner.activation_bytes())
+    dit = DiffusionDemand("flux-dev-shaped", dit_bytes + others, peak,
+                          "not measured" if ctx.dry_run else "measured", others,
+                          f"{size}x{size}, batch 1")
+    numbers = device_memory(runner.device)
+    here = DeviceMemory(numbers["device"], numbers["total_bytes"], numbers["free_bytes"])
+    for label, device in (("this device", here), ("an 80 GB card (computed)",
+                                                  DeviceMemory("cuda:0", CARD_80GB))):
+        try:
+            plan = plan_memory(device, [llm], [dit])
+        except MemoryPlanError as exc:
+            rows.append(row(f"memory plan, {label}, no memory flag", "does not fit", str(exc)))
+            continue
+        tokens = plan.pools[llm.name]
+        note = (f"{gib(device.total_bytes)} x {plan.fraction} - weights "
+                f"{gib(plan.weights_bytes)} - DiT peak {gib(plan.diffusion_peak_bytes)} - "
+                f"LLM activations {gib(plan.activation_bytes)}; headroom "
+                f"{gib(plan.headroom_bytes)}")
+        if device is here and not ctx.dry_run:
+            # The planned pool beside everything else: the part the small pool does not hold.
+            try:
+                extra = torch.empty((tokens - small_pool) * llm.kv_bytes_per_token,
+                                    dtype=torch.uint8, device=ctx.device)
+                del extra
+                note += "; allocated beside them"
+            except torch.cuda.OutOfMemoryError as exc:
+                note += f"; allocating it failed: {error_line(exc)}"
+        rows.append(row(f"memory plan, {label}, no memory flag: KV pool",
+                        f"{tokens} tokens ({gib(plan.pool_bytes(llm.name))})",
+                        ("dry run, toy LLM and DiT: " if ctx.dry_run else "") + note))
+    engine.shutdown()
     del block, transformer
     return rows

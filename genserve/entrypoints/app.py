@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -52,10 +53,12 @@ def create_app(
     config: GatewayConfig,
     llm_clients: list[LLMEngineClient],
     diffusion_client: DiffusionClient | None = None,
+    memory_plan: dict[str, Any] | None = None,
 ) -> FastAPI:
     """Build the gateway for these runtimes. The caller owns the clients (starts and shuts
-    them down); the app only talks to them."""
-    state = GatewayState(config, list(llm_clients), diffusion_client)
+    them down); the app only talks to them. memory_plan: the server's memory plan, shown by
+    /get_server_info (`entrypoints/memory_planner.py`)."""
+    state = GatewayState(config, list(llm_clients), diffusion_client, memory_plan=memory_plan)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -47,7 +47,9 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
                         "more requests get 503 at once.")
     g.add_argument("--context-length", type=int, default=None)
     g.add_argument("--mem-fraction", type=float, default=None,
-                   help="Share of free memory given to the KV pool.")
+                   help="The whole server's share of the device (default 0.85): weights, "
+                        "the diffusion peak and the LLMs' KV pools together, in one memory "
+                        "plan (README, 'One memory plan').")
     g.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens.")
     g.add_argument("--chunked-prefill-size", type=int, default=None)
     g.add_argument("--page-size", type=int, default=None)

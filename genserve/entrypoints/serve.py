@@ -13,15 +13,16 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import glob
 import ipaddress
 import logging
 import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from genserve import envs
 from genserve.entrypoints.config import GatewayConfig
+from genserve.entrypoints.memory_planner import PlanAborted, ServerMemoryPlanner
 from genserve.entrypoints.middleware import LOOPBACK_HOST_NAMES
 from genserve.srt.client import LLMEngineClient
 
@@ -150,60 +151,103 @@ def llm_engine_args(args: argparse.Namespace, path: str | None) -> Any:
     return engine_args
 
 
-def _may_use_a_gpu(device: str) -> bool:
-    """Whether `--device` may put an LLM runtime on a GPU, decided without importing torch
-    (the gateway process stays torch-free): an explicit CUDA device, or `auto` on a machine
-    with an NVIDIA or AMD GPU device node."""
-    if device.startswith("cuda"):
-        return True
-    return device == "auto" and bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/kfd"))
+def llm_paths(args: argparse.Namespace) -> list[str | None]:
+    """The LLMs this server starts: those named, else the defaults."""
+    return args.model_path or default_llm_paths(getattr(args, "tp_size", None) or 1)
 
 
-async def _start_llms(args: argparse.Namespace, clients: list[LLMEngineClient]) -> None:
-    """Start every LLM runtime, appending those that run to `clients` in the order given: when
-    one fails to start, the caller still shuts down the others (their processes otherwise kept
-    the failed server from exiting), and the first failure is raised. Off a GPU they start at
-    once (each loads in its own process, so one model's load or compile overlaps another's);
-    on a GPU one after another (`_may_use_a_gpu`)."""
+async def _in_own_thread(fn: Any, *args: Any) -> Any:
+    """`asyncio.to_thread` on a thread of its own: runtimes starting together wait for each
+    other in the memory plan, which would deadlock the default pool's few threads."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+    finally:
+        pool.shutdown(wait=False)
+
+
+def _first_failure(failures: list[BaseException]) -> BaseException:
+    """The failure to report: a runtime's own, not another's wait that it cut short."""
+    return next((e for e in failures if not isinstance(e, PlanAborted)), failures[0])
+
+
+async def _start_llms(args: argparse.Namespace, clients: list[LLMEngineClient],
+                      planner: ServerMemoryPlanner | None = None) -> None:
+    """Start every LLM runtime at once, appending those that run to `clients` in the order
+    given: when one fails to start, the caller still shuts down the others (their processes
+    otherwise kept the failed server from exiting), and the first failure is raised. Each
+    loads in its own process; with `planner` each waits, weights loaded, for the server's
+    memory plan to size its KV pool (so runtimes sharing a GPU no longer count the same free
+    memory), and a runtime that fails stops the others' wait."""
     from genserve.srt.named_models import row_for_path
 
     AsyncEngine = import_async_engine()  # noqa: N806 (a class)
 
     def start(path: str | None) -> LLMEngineClient:
-        engine_args = llm_engine_args(args, path)
-        logger.info("loading LLM %s", path or f"(embedded {row_for_path(None).name})")
-        return AsyncEngine(engine_args)
+        try:
+            engine_args = llm_engine_args(args, path)
+            logger.info("loading LLM %s", path or f"(embedded {row_for_path(None).name})")
+            if planner is None:
+                return AsyncEngine(engine_args)
+            # --mem-fraction is the whole server's share, applied by the plan.
+            engine_args = dataclasses.replace(engine_args, mem_fraction=None)
+            return AsyncEngine(engine_args, memory_planner=planner)
+        except BaseException as exc:
+            if planner is not None:
+                planner.abort(f"{path or 'the default LLM'}: {exc}")
+            raise
 
-    paths = args.model_path or default_llm_paths(getattr(args, "tp_size", None) or 1)
-    if _may_use_a_gpu(getattr(args, "device", "auto")):
-        # Each runtime sizes its KV pool from the GPU's free memory once its weights are in:
-        # started together, every one of them would count the same free memory.
-        for path in paths:
-            clients.append(await asyncio.to_thread(start, path))
-    else:
-        started = await asyncio.gather(*(asyncio.to_thread(start, p) for p in paths),
-                                       return_exceptions=True)
-        clients.extend(e for e in started if not isinstance(e, BaseException))
-        failures = [e for e in started if isinstance(e, BaseException)]
-        if failures:
-            raise failures[0]
+    started = await asyncio.gather(*(_in_own_thread(start, p) for p in llm_paths(args)),
+                                   return_exceptions=True)
+    clients.extend(e for e in started if not isinstance(e, BaseException))
+    failures = [e for e in started if isinstance(e, BaseException)]
+    if failures:
+        raise _first_failure(failures)
     for engine in clients:
         info = await engine.server_info()
         logger.info("LLM %r ready: context length %d, KV pool %s tokens", engine.model_name,
                     engine.context_length, info.get("max_total_tokens", "?"))
 
 
-async def _start_diffusion(args: argparse.Namespace) -> Any | None:
+async def _start_diffusion(args: argparse.Namespace, started: list[Any],
+                           planner: ServerMemoryPlanner | None = None) -> None:
+    """Start the diffusion runtime, appending its client to `started` (for the caller to shut
+    down whatever happens next); then give the memory plan its report."""
     try:
         from genserve.multimodal_gen.launch import start_diffusion_client
     except ImportError as exc:
         logger.warning("diffusion runtime unavailable (%s); serving LLMs only", exc)
-        return None
+        if planner is not None:
+            planner.diffusion_report([])
+        return
     paths = args.diffusion_model_path or None
     logger.info("loading diffusion models %s", paths or "(embedded defaults)")
-    client = await asyncio.to_thread(start_diffusion_client, paths, args)
+    try:
+        client = await _in_own_thread(start_diffusion_client, paths, args)
+    except BaseException as exc:
+        if planner is not None:
+            planner.abort(f"diffusion: {exc}")
+        raise
+    started.append(client)
     logger.info("diffusion models ready: %s", ", ".join(m["id"] for m in client.list_models()))
-    return client
+    if planner is not None:
+        planner.diffusion_report(client.memory_reports())
+
+
+async def _start_runtimes(args: argparse.Namespace, llm_clients: list[LLMEngineClient],
+                          diffusion: list[Any], planner: ServerMemoryPlanner) -> None:
+    """Every runtime at once, under one memory plan; the first failure is raised after all
+    have ended (the started ones are in `llm_clients` and `diffusion`)."""
+    want_llm, want_diffusion = _wanted(args)
+    starts = []
+    if want_llm:
+        starts.append(_start_llms(args, llm_clients, planner))
+    if want_diffusion:
+        starts.append(_start_diffusion(args, diffusion, planner))
+    results = await asyncio.gather(*starts, return_exceptions=True)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        raise _first_failure(failures)
 
 
 def _make_server(app: Any, config: GatewayConfig, log_level: str,
@@ -252,13 +296,13 @@ async def serve(args: argparse.Namespace, log_level: str) -> None:
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     llm_clients: list[LLMEngineClient] = []
-    diffusion_client = None
+    diffusion: list[Any] = []  # the diffusion client, once started
+    planner = ServerMemoryPlanner(len(llm_paths(args)) if want_llm else 0, want_diffusion,
+                                  getattr(args, "mem_fraction", None))
     try:
-        if want_llm:
-            await _start_llms(args, llm_clients)
-        if want_diffusion:
-            diffusion_client = await _start_diffusion(args)
-        app = create_app(config, llm_clients, diffusion_client)
+        await _start_runtimes(args, llm_clients, diffusion, planner)
+        diffusion_client = diffusion[0] if diffusion else None
+        app = create_app(config, llm_clients, diffusion_client, memory_plan=planner.report())
         server = _make_server(app, config, log_level, args.shutdown_timeout)
         host = f"[{config.host}]" if ":" in config.host else config.host
         logger.info("genserve listening on http://%s:%d (models: %s)", host, config.port,
@@ -280,8 +324,8 @@ async def serve(args: argparse.Namespace, log_level: str) -> None:
         logger.info("shutting down")
         for client in llm_clients:
             await _quietly(client.shutdown())
-        if diffusion_client is not None:
-            await _quietly(diffusion_client.shutdown())
+        for client in diffusion:
+            await _quietly(client.shutdown())
 
 
 async def _drain_diffusion(client: Any, deadline: float) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.requests import HTTPConnection
 
@@ -49,6 +50,7 @@ class GatewayState:
     config: GatewayConfig
     llm_clients: list[LLMEngineClient]
     diffusion_client: DiffusionClient | None = None
+    memory_plan: dict[str, Any] | None = None  # the server's memory plan (memory_planner.py)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     admission: Admission = field(init=False)
     # The LLM families' serving objects (answering 503 / 404 per request when no LLM serves).

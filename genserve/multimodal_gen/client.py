@@ -110,6 +110,12 @@ class DiffusionEngineClient(ABC):
         stopped), and where known its `pid` and number of `restarts`."""
         return {"state": "ready" if self.is_healthy() else "stopped"}
 
+    def memory_reports(self) -> list[dict[str, Any]]:
+        """What the server's memory plan needs of each worker once its models are loaded
+        (multimodal_gen/memory_report.py): its device and each model's weights and peak.
+        Engines that hold no device memory report nothing."""
+        return []
+
     @abstractmethod
     def is_healthy(self) -> bool:
         """False once the worker process has died."""

@@ -95,7 +95,7 @@ class WorkerDiffusionClient(DiffusionEngineClient):
         if link.followers:
             threading.Thread(target=self._watch_group, args=(link,), name="diffusion-cp-watch",
                              daemon=True).start()
-        self._specs = self._wait_ready(link, self.startup_timeout_s)
+        self._specs, self._memory = self._wait_ready(link, self.startup_timeout_s)
         self.integrity_error = None
         self._stream_stats = WorkerStreams(0, 0)  # a new worker holds no stream
         self._link = link
@@ -134,7 +134,8 @@ class WorkerDiffusionClient(DiffusionEngineClient):
             proc.join(5)
 
     @staticmethod
-    def _wait_ready(link: _WorkerLink, timeout_s: float) -> list[ModelSpec]:
+    def _wait_ready(link: _WorkerLink, timeout_s: float
+                    ) -> tuple[list[ModelSpec], dict[str, Any] | None]:
         waited = 0.0
         while True:
             try:
@@ -150,12 +151,15 @@ class WorkerDiffusionClient(DiffusionEngineClient):
             link.proc.join(timeout=10)
             link.kill_group()
             raise RuntimeError(f"the diffusion worker could not load its models: {ready.error}")
-        return ready.specs
+        return ready.specs, ready.memory
 
     # ---- DiffusionEngineClient ----
 
     def specs(self) -> list[ModelSpec]:
         return list(self._specs)
+
+    def memory_reports(self) -> list[dict[str, Any]]:
+        return [self._memory] if self._memory is not None else []
 
     def is_healthy(self) -> bool:
         return self.supervisor.ready and self._link.proc.is_alive()

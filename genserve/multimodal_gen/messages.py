@@ -311,6 +311,9 @@ class WorkerReady:
 
     specs: list[ModelSpec]
     error: str | None = None
+    # What the server's memory plan needs (multimodal_gen/memory_report.py): the device, and
+    # each model's resident weights and peak.
+    memory: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

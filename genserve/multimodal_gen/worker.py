@@ -353,21 +353,26 @@ def worker_main(config: WorkerConfig, inbox: Any, outbox: Any,
     ignore_termination_signals()
     tune_malloc()  # before torch allocates anything
     try:
+        from genserve.multimodal_gen.memory_report import memory_report
+
         worker = _Worker(config, inbox, outbox,
                          batcher=RequestBatcher(config.max_batch_size,
                                                 config.batch_delay_ms / 1000.0))
         if cp is None:
             worker.models = load_models(config)
+            memory = memory_report(worker.models, config.max_batch_size)
         else:
             from genserve.multimodal_gen.context_parallel import GroupLeader, load_group_models
 
             worker.models = load_group_models(config, cp)
             worker.group = GroupLeader(list(cp_conns))
             worker.group.wait_ready()
+            # No warm-up across the group: the other ranks answer calls only in the loop.
+            memory = memory_report(worker.models, config.max_batch_size, warm_up=False)
     except Exception as exc:
         outbox.put(WorkerReady(specs=[], error=f"{type(exc).__name__}: {exc}"))
         return
-    outbox.put(WorkerReady(specs=[m.spec for m in worker.models.values()]))
+    outbox.put(WorkerReady(specs=[m.spec for m in worker.models.values()], memory=memory))
     worker.loop()
     if worker.group is not None:
         worker.group.close()  # the other ranks leave when their pipe closes

@@ -57,6 +57,9 @@ class DiffusionWorkerPool(DiffusionEngineClient):
     def is_healthy(self) -> bool:
         return any(w.is_healthy() for w in self.workers)
 
+    def memory_reports(self) -> list[dict[str, Any]]:
+        return [r for w in self.workers for r in w.memory_reports()]
+
     def queue_depth(self) -> int:
         return sum(self._in_flight)
 

@@ -67,7 +67,11 @@ class AsyncEngine(LLMEngineClient):
     EngineDeadError (503)."""
 
     def __init__(self, args: EngineArgs | None = None, log_level: str = "info",
-                 restart_policy: RestartPolicy | None = None) -> None:
+                 restart_policy: RestartPolicy | None = None,
+                 memory_planner: Any = None) -> None:
+        """memory_planner: the server's plan (`entrypoints/memory_planner.py`); its
+        `llm_report(report)` answers this runtime's KV pool in tokens once the weights are in,
+        or raises when the plan does not fit. Restarts keep the planned pool."""
         args = args or EngineArgs()
         self._log_level = log_level
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -78,7 +82,7 @@ class AsyncEngine(LLMEngineClient):
         self.supervisor = ProcessSupervisor(
             "the LLM scheduler process", lambda: self._spawn(self.args)[0], restart_policy)
         self.args = args
-        pid, ready = self._spawn(args)
+        pid, ready = self._spawn(args, memory_planner)
         try:
             self._load_from_folder(Path(ready.pop("folder")), args)
         except BaseException:
@@ -97,6 +101,8 @@ class AsyncEngine(LLMEngineClient):
         self.context_length = int(ready["context_length"])
         self.generation_defaults = dict(ready.get("generation_defaults") or {})
         self._lora: dict[str, str] = dict(ready.get("lora_adapters") or {})
+        if memory_planner is not None and ready.get("max_total_tokens"):
+            self.args = replace(self.args, max_total_tokens=int(ready["max_total_tokens"]))
         self.supervisor.started(pid)
 
     def _load_from_folder(self, folder: Path, args: EngineArgs) -> None:
@@ -114,7 +120,7 @@ class AsyncEngine(LLMEngineClient):
         # Embedders and rerankers: their pooling (prompts, Matryoshka); None for a chat model.
         self.pooling = read_pooling_spec(folder, args.is_embedding)
 
-    def _spawn(self, args: EngineArgs) -> tuple[int, dict[str, Any]]:
+    def _spawn(self, args: EngineArgs, planner: Any = None) -> tuple[int, dict[str, Any]]:
         """Start a scheduler process and wait until its model is loaded: (pid, its model info
         plus the resolved `folder`). Raises RuntimeError when it cannot start."""
         from genserve.srt.scheduler.process import run_scheduler_process
@@ -123,14 +129,14 @@ class AsyncEngine(LLMEngineClient):
         conn, child_conn = ctx.Pipe()
         proc = ctx.Process(
             target=run_scheduler_process,
-            args=(args, child_conn, self._log_level),
+            args=(args, child_conn, self._log_level, planner is not None),
             name="genserve-scheduler",
             daemon=True,
         )
         proc.start()
         child_conn.close()
         try:
-            ready = self._wait_ready(proc, conn)
+            ready = self._wait_ready(proc, conn, planner)
         except BaseException:
             proc.kill()
             proc.join(5)
@@ -145,13 +151,22 @@ class AsyncEngine(LLMEngineClient):
         return proc.pid, dict(ready.payload)
 
     @staticmethod
-    def _wait_ready(proc: Any, conn: Connection) -> ControlResp:
+    def _wait_ready(proc: Any, conn: Connection, planner: Any = None) -> ControlResp:
         while True:
             if conn.poll(1.0):
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
                     msg = None
+                if msg is not None and msg.kind == "memory_report" and planner is not None:
+                    try:
+                        tokens = planner.llm_report(msg.payload)
+                    except BaseException as exc:
+                        conn.send(ControlReq("kv_pool", 0, {"error": str(exc)}))
+                        proc.join(5)
+                        raise
+                    conn.send(ControlReq("kv_pool", 0, {"max_total_tokens": tokens}))
+                    continue
                 if msg is None or not msg.ok:
                     proc.join(5)
                     error = msg.payload.get("error") if msg is not None else "no answer"

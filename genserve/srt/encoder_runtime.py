@@ -255,6 +255,17 @@ class EncoderRuntime:
                     spec.task, spec.pooling, dtype, context)
         return cls(args, folder, name, spec, tokenizer, sched, dtype, device)
 
+    def memory_report(self) -> dict:
+        """The memory plan's view of this runtime: its weights and no KV pool."""
+        from genserve.srt.model_runner import device_memory
+
+        module = self.scheduler.model.model
+        weights = sum(t.numel() * t.element_size()
+                      for t in (*module.parameters(), *module.buffers()))
+        return {**device_memory(self.device), "weights_bytes": weights,
+                "kv_bytes_per_token": 0, "context_length": self.scheduler.context_length,
+                "activation_bytes": 0, "fixed_tokens": None, "default_tokens": None}
+
     def shutdown(self) -> None:
         """Nothing runs outside this process."""
 

@@ -126,10 +126,13 @@ def build_runtime(
     args: EngineArgs,
     log_level: str = "info",
     on_rank_death: Callable[[str], None] | None = None,
+    plan_pool: Callable[[dict], int] | None = None,
 ) -> Runtime | EncoderRuntime:
     """on_rank_death: called (from a thread) when a tensor-parallel worker dies. An encoder
     embedder or reranker gets an `EncoderRuntime` (transformers' modules, no KV pool); every
-    other model, decoder embedders included, the paged runtime."""
+    other model, decoder embedders included, the paged runtime.
+    plan_pool: the server's memory plan, asked once the weights are in (`ModelRunner`); it is
+    told the model's name, and an encoder's weights (it has no pool)."""
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     source_precision = None
@@ -143,8 +146,13 @@ def build_runtime(
         source_precision = precision_class(folder)
         args = _quantized_cpu_dtype(args, source_precision)
     pooling = read_pooling_spec(folder, args.is_embedding)
+    named_plan = None if plan_pool is None else (
+        lambda report: plan_pool({**report, "name": name}))
     if pooling is not None and pooling.runtime == "encoder":
-        return EncoderRuntime.build(args, folder, name, pooling)
+        encoder = EncoderRuntime.build(args, folder, name, pooling)
+        if named_plan is not None:
+            named_plan(encoder.memory_report())
+        return encoder
     if pooling is not None and args.tp_size > 1:
         raise ValueError("--tp is not supported for embedding models yet")
     config = ModelConfig.from_folder(folder)
@@ -152,11 +160,12 @@ def build_runtime(
     context_length = context_length_for(args, config)
     if args.tp_size == 1:
         runner = ModelRunner(args, config, folder, context_length, source_precision,
-                             pooling=pooling)
+                             pooling=pooling, plan_pool=named_plan)
         workers = None
     else:
         runner, workers = _start_tensor_parallel(
-            args, config, folder, context_length, source_precision, log_level, on_rank_death
+            args, config, folder, context_length, source_precision, log_level, on_rank_death,
+            named_plan,
         )
     scheduler = Scheduler(args, runner, tokenizer)
     if runner.compiled:
@@ -199,8 +208,10 @@ def _start_tensor_parallel(
     source_precision: str | None,
     log_level: str,
     on_rank_death: Callable[[str], None] | None,
+    plan_pool: Callable[[dict], int] | None = None,
 ) -> tuple[ModelRunner, TPWorkers]:
-    """Start ranks 1..N-1 and load rank 0's share here; a rank that cannot load stops all."""
+    """Start ranks 1..N-1 and load rank 0's share here; a rank that cannot load stops all.
+    The memory plan (`plan_pool`) sizes rank 0's pool; every rank then takes the smallest."""
     from genserve.srt.tp_worker import TPWorkers
 
     check_tensor_parallel(config, args.tp_size)  # before any process starts
@@ -209,7 +220,8 @@ def _start_tensor_parallel(
     )
     try:
         runner = ModelRunner(
-            args, config, folder, context_length, source_precision, tp=workers.group
+            args, config, folder, context_length, source_precision, tp=workers.group,
+            plan_pool=plan_pool,
         )
         workers.wait_ready()
     except Exception as exc:

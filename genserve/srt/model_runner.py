@@ -8,6 +8,7 @@ import itertools
 import logging
 import shutil
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,22 @@ _MAX_AUTO_TOKENS = 1 << 20
 # activations and the KV pool take together on CUDA (SGLang's static memory fraction).
 CPU_MEM_FRACTION = 0.1
 CUDA_MEM_FRACTION = 0.85
+
+
+def device_memory(device: torch.device) -> dict:
+    """{device, total_bytes, free_bytes} for the memory plan: a CUDA device by its index and
+    total (free memory there moves with other processes' loads: not reported); the host by
+    its total and available memory."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return {"device": f"cuda:{index}", "total_bytes": torch.cuda.mem_get_info(index)[1],
+                "free_bytes": None}
+    vm = psutil.virtual_memory()
+    return {"device": "cpu", "total_bytes": vm.total, "free_bytes": vm.available}
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def load_model(
@@ -159,6 +176,7 @@ class ModelRunner:
         source_precision: str | None = None,
         tp: TPGroup | None = None,
         pooling: PoolingSpec | None = None,
+        plan_pool: Callable[[dict], int] | None = None,
     ):
         """source_precision: "int8" / "int4" when the weights came from a GGUF or a pre-quantized
         checkpoint stored in that precision class (what `--quantization auto` keeps), None for
@@ -166,7 +184,10 @@ class ModelRunner:
         tp: this rank's tensor-parallel group (None: one rank); the runner then holds the
         rank's share of the heads and of the KV pool.
         pooling: a decoder embedder's spec; its forward then returns pooled hidden states
-        [batch, hidden] where a generative model returns logits."""
+        [batch, hidden] where a generative model returns logits.
+        plan_pool: the server's memory plan (genserve/memory_plan.py): given `memory_report()`
+        once the weights are in, it answers the KV pool's size in tokens (None: the runner
+        sizes its pool itself)."""
         self.pooling = pooling
         check_tensor_parallel(config, args.tp_size)
         self.args = args
@@ -213,7 +234,8 @@ class ModelRunner:
                 )
 
         # Every rank takes the smallest pool so that rank 0's slot indices are valid on all.
-        self.max_total_tokens = self.tp.min_int(self._pool_size(), self.device)
+        pool = self._pool_size() if plan_pool is None else plan_pool(self.memory_report())
+        self.max_total_tokens = self.tp.min_int(pool, self.device)
         self.req_to_token_pool = ReqToTokenPool(
             max(2 * args.max_running_requests, 16), context_length + 8, self.device
         )
@@ -347,6 +369,23 @@ class ModelRunner:
         width = qkv + 3 * cfg.intermediate_size + 4 * cfg.hidden_size
         logits = self.args.max_running_requests * cfg.vocab_size * 4 * 3
         return tokens * width * elt + logits
+
+    def memory_report(self) -> dict:
+        """What the server's memory plan needs of this runner once its weights are in: the
+        device's numbers, the resident weights (on CUDA what torch's allocator holds), the KV
+        bytes per token, and on a CPU the pool this runner would size itself (kept unless the
+        plan has less)."""
+        weights = _tensor_bytes(itertools.chain(self.model.parameters(), self.model.buffers()))
+        if self.device.type == "cuda":
+            weights = torch.cuda.memory_reserved(self.device)
+        own = None
+        if self.device.type != "cuda" and self.args.max_total_tokens is None:
+            own = self._pool_size()
+        return {**device_memory(self.device), "weights_bytes": weights,
+                "kv_bytes_per_token": self.kv_bytes_per_token(),
+                "context_length": self.context_length,
+                "activation_bytes": self.activation_bytes() if self.device.type == "cuda" else 0,
+                "fixed_tokens": self.args.max_total_tokens, "default_tokens": own}
 
     def _pool_size(self) -> int:
         if self.args.max_total_tokens is not None:

@@ -88,34 +88,51 @@ def test_llms_start_at_once_in_order_and_a_failure_keeps_the_started(monkeypatch
     assert [c.model_name for c in clients] == ["c", "b", "a"]
 
 
-def test_llms_on_a_gpu_start_one_after_another(monkeypatch):
-    """On a GPU each runtime sizes its KV pool from the card's free memory once its weights
-    are in, so the gateway starts them one at a time: no two constructors overlap, and a
-    failure stops the start with the earlier runtimes in `clients`."""
+def test_llms_start_at_once_under_the_memory_plan_and_a_failure_stops_its_wait(monkeypatch):
+    """With the memory plan every runtime starts at once, GPU or not: each waits, weights
+    loaded, for the plan to size its pool. A runtime that fails to start releases the
+    others' wait, and the failure reported is its own, not theirs."""
     import argparse
     import asyncio
-    import threading
+    import dataclasses
 
     from genserve.entrypoints import serve
+    from genserve.entrypoints.memory_planner import ServerMemoryPlanner
 
-    running, overlaps, lock = [], [], threading.Lock()
+    @dataclasses.dataclass(frozen=True)
+    class Args:
+        model_path: str
+        mem_fraction: float | None = 0.3  # the server's share now: the plan applies it
 
-    def construct(path: str) -> None:
-        with lock:
-            overlaps.append(len(running))
-            running.append(path)
-        time.sleep(0.05)
-        with lock:
-            running.remove(path)
+    class Engine:
+        def __init__(self, args, memory_planner=None):
+            if args.model_path == "bad":
+                raise ValueError("no model in bad")
+            assert args.mem_fraction is None
+            self.model_name, self.context_length = args.model_path, 1024
+            self.pool = memory_planner.llm_report({
+                "name": args.model_path, "device": "cuda:0", "total_bytes": 2**30,
+                "weights_bytes": 2**20, "kv_bytes_per_token": 1024, "context_length": 1024})
 
-    _fake_engines(monkeypatch, construct)
+        async def server_info(self):
+            return {"max_total_tokens": self.pool}
+
+    monkeypatch.setattr(serve, "import_async_engine", lambda: Engine)
+    monkeypatch.setattr(serve, "llm_engine_args", lambda args, path: Args(path))
+    args = argparse.Namespace(model_path=["a", "b"], tp_size=1, device="cuda:0")
+    planner = ServerMemoryPlanner(2, diffusion=False, fraction=0.5)
     clients: list = []
-    args = argparse.Namespace(model_path=["a", "b", "bad", "c"], tp_size=1, device="cuda:0")
+    asyncio.run(serve._start_llms(args, clients, planner))
+    # 0.5 GiB - 2 MiB of weights, split equally (same KV bytes x context): 255 MiB each,
+    # 261120 tokens of 1 KiB, rounded down to 2**17.
+    assert [c.pool for c in clients] == [2**17, 2**17]
+    assert planner.report()["devices"][0]["llms"][1]["name"] == "b"
+
+    args = argparse.Namespace(model_path=["a", "bad", "c"], tp_size=1, device="cuda:0")
+    clients = []
     with pytest.raises(ValueError, match="no model in bad"):
-        asyncio.run(serve._start_llms(args, clients))
-    assert [c.model_name for c in clients] == ["a", "b"]
-    assert overlaps == [0, 0, 0]  # "c" never started
-    assert serve._may_use_a_gpu("cuda") and not serve._may_use_a_gpu("cpu")
+        asyncio.run(serve._start_llms(args, clients, ServerMemoryPlanner(3, False, None)))
+    assert clients == []  # a and c stopped waiting for a plan that never came
 
 
 FAIL_AFTER_SPAWN = """

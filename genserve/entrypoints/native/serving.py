@@ -272,6 +272,8 @@ class NativeServing:
         state.metrics.update_server_info(client.model_name, info)
         if state.diffusion_client is not None:  # its worker's state and self-check result
             info["diffusion"] = state.diffusion_client.runtime_report()
+        if state.memory_plan is not None:
+            info["memory_plan"] = state.memory_plan
         info["time"] = time.time()
         return info
 

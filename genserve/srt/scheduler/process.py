@@ -25,7 +25,11 @@ from genserve.supervision import ignore_termination_signals
 logger = logging.getLogger("genserve.scheduler")
 
 
-def run_scheduler_process(args: EngineArgs, conn: Connection, log_level: str = "info") -> None:
+def run_scheduler_process(args: EngineArgs, conn: Connection, log_level: str = "info",
+                          plan_memory: bool = False) -> None:
+    """plan_memory: the KV pool's size comes from the server's memory plan: once the weights
+    are in, the process sends a "memory_report" ControlResp and waits for a "kv_pool"
+    ControlReq ({max_total_tokens} or {error}) before it builds the pool."""
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s [scheduler] %(message)s"
     )
@@ -36,7 +40,8 @@ def run_scheduler_process(args: EngineArgs, conn: Connection, log_level: str = "
     try:
         from genserve.srt.engine_core import build_runtime
 
-        runtime = build_runtime(args, log_level, on_rank_death=_exit_on_rank_death)
+        runtime = build_runtime(args, log_level, on_rank_death=_exit_on_rank_death,
+                                plan_pool=_ask_for_pool(conn) if plan_memory else None)
     except Exception as exc:  # report load failures to the parent instead of dying silently
         conn.send(ControlResp("ready", 0, False, {"error": f"{type(exc).__name__}: {exc}"}))
         return
@@ -81,6 +86,20 @@ def run_scheduler_process(args: EngineArgs, conn: Connection, log_level: str = "
         except Exception:
             logger.error("scheduler crashed:\n%s", traceback.format_exc())
             raise
+
+
+def _ask_for_pool(conn: Connection):
+    """The memory plan's answer, asked over the parent's pipe (see run_scheduler_process)."""
+    def plan_pool(report: dict) -> int:
+        conn.send(ControlResp("memory_report", 0, True, report))
+        reply = conn.recv()
+        if not isinstance(reply, ControlReq) or reply.kind != "kv_pool":
+            raise RuntimeError(f"expected the memory plan's kv_pool answer, got {reply!r}")
+        if "error" in reply.payload:
+            raise RuntimeError(f"memory plan: {reply.payload['error']}")
+        return int(reply.payload["max_total_tokens"])
+
+    return plan_pool
 
 
 def _lora_control(sched, msg: ControlReq) -> ControlResp:
