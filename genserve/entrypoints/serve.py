@@ -141,7 +141,9 @@ def llm_engine_args(args: argparse.Namespace, path: str | None) -> Any:
             and engine_args.speculative_algorithm):
         logger.info("%s (%s) decodes without speculation: --speculative-algorithm applies to "
                     "text models", row.name, row.summary)
-        engine_args = dataclasses.replace(engine_args, speculative_algorithm=None)
+        engine_args = dataclasses.replace(engine_args, speculative_algorithm=None,
+                                          speculative_draft_model_path=None,
+                                          speculative_num_steps=None)
     if (not args.model_path and row is not None and row.task == "vision chat"
             and engine_args.lora_paths):
         logger.info("%s (%s) serves no LoRA adapters: --lora-paths applies to text models",

@@ -159,6 +159,7 @@ class ModelRunner:
         source_precision: str | None = None,
         tp: TPGroup | None = None,
         pooling: PoolingSpec | None = None,
+        shared_kv_bytes_per_token: int = 0,
     ):
         """source_precision: "int8" / "int4" when the weights came from a GGUF or a pre-quantized
         checkpoint stored in that precision class (what `--quantization auto` keeps), None for
@@ -166,8 +167,11 @@ class ModelRunner:
         tp: this rank's tensor-parallel group (None: one rank); the runner then holds the
         rank's share of the heads and of the KV pool.
         pooling: a decoder embedder's spec; its forward then returns pooled hidden states
-        [batch, hidden] where a generative model returns logits."""
+        [batch, hidden] where a generative model returns logits.
+        shared_kv_bytes_per_token: KV bytes per token of another pool sized like this one
+        (a draft model's): an automatically sized pool leaves them room in the budget."""
         self.pooling = pooling
+        self.shared_kv_bytes_per_token = shared_kv_bytes_per_token
         check_tensor_parallel(config, args.tp_size)
         self.args = args
         self.config = config
@@ -366,7 +370,7 @@ class ModelRunner:
         else:
             fraction = self.args.mem_fraction or CPU_MEM_FRACTION
             budget = psutil.virtual_memory().available * fraction
-        tokens = int(budget) // self.kv_bytes_per_token()
+        tokens = int(budget) // (self.kv_bytes_per_token() + self.shared_kv_bytes_per_token)
         # Rounded down to a power of two: free memory differs a little from start to start,
         # and the pool's size is a static shape of the compiled decode graph, so an exact
         # size would give every start a new graph and defeat the compile cache.
