@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -218,3 +221,16 @@ def test_a_draft_with_another_tokenizer_is_refused():
     check_same_tokenizer(mine, None, "d")  # a weights-only draft: vocabulary size only
     with pytest.raises(ValueError, match="another tokenizer than the target model"):
         check_same_tokenizer(mine, tok({"<unk>": 0, "world": 1, "hello": 2}), "d")
+
+
+@pytest.mark.slow
+def test_the_benchmark_smoke_run_compares_both_algorithms():
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_speculative.py"),
+         "--algorithms", "ngram,draft", "--smoke", "--sets", "grounded"],
+        capture_output=True, text=True, timeout=600, cwd=root, check=True)
+    summary = json.loads(proc.stdout[proc.stdout.index("\n{") + 1:])
+    for algorithm in ("ngram", "draft"):
+        assert summary["grounded"][algorithm]["identical_outputs"] is True
+    assert summary["grounded"]["draft"]["acceptance"] > 0.9  # the model drafts for itself
