@@ -109,6 +109,40 @@ def test_a_poor_draft_keeps_outputs_and_stops_speculating(tiny, other):
     engine.check_integrity()
 
 
+def staggered(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """Half the requests arrive after the first ones have decoded a few steps, so those decode
+    inside the newcomers' (chunked) prefills without the draft model."""
+    sched = engine.scheduler
+    reqs = [make_tokenized_req(p, SamplingParams.from_dict(GREEDY), rid=f"s{i}")
+            for i, p in enumerate(prompts)]
+    states = {r.rid: RequestState(r) for r in reqs}
+    half = len(reqs) // 2
+    for i, r in enumerate(reqs):
+        if i == half:
+            for _ in range(4):
+                for out in sched.step():
+                    states[out.rid].update(out)
+        sched.add_request(r)
+    while sched.has_work():
+        for out in sched.step():
+            states[out.rid].update(out)
+        sched.check_integrity()
+    return [states[r.rid].last.output_ids for r in reqs]
+
+
+def test_draft_catches_up_after_chunked_prefills_and_mixed_decodes(tiny):
+    """A 16-token prefill budget: prompts prefill in chunks, the draft catches up on them over
+    several steps, and running requests decode inside prefills without the draft."""
+    prompts = [repetitive(60 + i, 20 + 15 * i) for i in range(4)]
+    want = staggered(Engine(tiny, dtype="float32", max_total_tokens=4096,
+                            chunked_prefill_size=16), prompts)
+    engine = draft_engine(tiny, tiny, chunked_prefill_size=16)
+    assert staggered(engine, prompts) == want
+    stats = engine.scheduler.stats
+    assert stats["spec_accepted_tokens"] > 0.9 * stats["spec_draft_tokens"] > 0
+    engine.check_integrity()
+
+
 def test_abort_and_finish_release_the_draft_kv(tiny):
     engine = draft_engine(tiny, tiny)
     sched = engine.scheduler
