@@ -13,7 +13,7 @@ Drafts come from prompt lookup (`NgramSpeculation`) or from a draft model
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -29,6 +29,24 @@ if TYPE_CHECKING:
     from genserve.srt.model_runner import ModelRunner
     from genserve.srt.scheduler.req import Req
     from genserve.srt.scheduler.scheduler import Scheduler
+
+
+class Speculation(Protocol):
+    """What the scheduler asks of a proposer (`NgramSpeculation`, `DraftModelProposer`)."""
+
+    cost: ForwardCost  # the target's forward costs, measured by the scheduler
+
+    def drafts(self, reqs: list[Req], context_length: int) -> list[list[int]]:
+        """Each running request's draft for this step ([]: it decodes plainly)."""
+
+    def record(self, req: Req, proposed: int, accepted: int) -> None:
+        """A verified draft of `req` (its tokens are appended already)."""
+
+    def release(self, req: Req) -> None:
+        """Free whatever the proposer holds for `req` (it ended or was retracted)."""
+
+    def check_integrity(self, live: list[Req], waiting: list[Req]) -> None:
+        """Raise IntegrityError when what the proposer holds disagrees with the requests."""
 
 
 class NgramSpeculation:
@@ -69,7 +87,7 @@ class NgramSpeculation:
 
 
 def create_speculation(args: EngineArgs, draft: ModelRunner | None,
-                       multimodal: bool) -> Any:
+                       multimodal: bool) -> Speculation | None:
     """The scheduler's proposer for `--speculative-algorithm`, or None when it is off."""
     if args.speculative_algorithm is None:
         return None
