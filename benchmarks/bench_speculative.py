@@ -1,18 +1,21 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, side by side.
+"""Speculative decoding (n-gram prompt lookup, a draft model) against plain decoding, side by side.
 
     python benchmarks/bench_speculative.py                    # the default model, as served
     python benchmarks/bench_speculative.py --draft-tokens 6 --max-tokens 96
-    python benchmarks/bench_speculative.py --smoke   # a tiny random model: checks the script
+    python benchmarks/bench_speculative.py --algorithms ngram,draft --model BIG --draft-model SMALL
+    python benchmarks/bench_speculative.py --algorithms ngram,draft --smoke   # a seconds-long check
 
-Two engines on the embedded SmolLM2-135M-Instruct, set up as `genserve serve` sets it up
-(`--quantization auto`, compile by default), one plain and one with
-`--speculative-algorithm ngram`. Requests run one at a time (a single stream), alternating
-between the two engines, greedy:
+Engines on one model (default: the embedded SmolLM2-135M-Instruct), set up as `genserve serve`
+sets it up (`--quantization auto`, compile by default): one plain, and one per algorithm asked
+for: `--speculative-algorithm ngram`, and `draft` with `--draft-model` (default: the target
+itself, which checks the machinery, not the speed: a draft as large as the target never pays).
+Requests run one at a time (a single stream), alternating between the engines, greedy:
 - grounded: 32 chat requests whose answer copies from the prompt (edit this code, extract these
   fields, quote the sentence);
 - free: 16 free-form chat requests (stories, explanations).
-Reports output tokens/s (prefill included, the same on both sides), the speed-up and whether
-every output is identical. Prints a JSON summary.
+Reports output tokens/s (prefill included, the same on every side), each algorithm's speed-up
+and whether every output is identical to plain decoding. Prints a JSON summary. `--smoke`: two
+requests per workload, 16 tokens, float32, no quantization or compile.
 """
 
 from __future__ import annotations
@@ -110,12 +113,11 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def run(engines: dict, prompts: list[list[int]], params: dict) -> dict:
-    """Alternate engines request by request; totals per engine."""
+    """Rotate the engines' order request by request; totals per engine."""
     res = {name: {"tokens": 0, "seconds": 0.0, "outputs": []} for name in engines}
     for i, ids in enumerate(prompts):
         order = list(engines.items())
-        if i % 2:
-            order.reverse()  # neither side always runs first
+        order = order[i % len(order):] + order[: i % len(order)]  # nobody always runs first
         for name, engine in order:
             start = time.perf_counter()
             out = engine.generate(input_ids=ids, sampling_params=params)
@@ -125,8 +127,26 @@ def run(engines: dict, prompts: list[list[int]], params: dict) -> dict:
     return res
 
 
+def speculative_kwargs(args: argparse.Namespace, algorithm: str) -> dict:
+    kw: dict = {"speculative_algorithm": algorithm}
+    if args.draft_tokens:
+        kw["speculative_num_draft_tokens"] = args.draft_tokens
+    if algorithm == "ngram" and args.min_window:
+        kw["speculative_ngram_min_match_window_size"] = args.min_window
+        kw["speculative_ngram_max_match_window_size"] = max(6, args.min_window)
+    if algorithm == "draft":
+        kw["speculative_draft_model_path"] = args.draft_model or args.model or (
+            "SmolLM2-135M-Instruct")
+    return kw
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--algorithms", default="ngram",
+                    help="comma-separated speculative algorithms to compare: ngram, draft")
+    ap.add_argument("--model", default=None, help="target model (default: the embedded one)")
+    ap.add_argument("--draft-model", default=None,
+                    help="draft: --speculative-draft-model-path (default: the target itself)")
     ap.add_argument("--draft-tokens", type=int, default=None)
     ap.add_argument("--min-window", type=int, default=None,
                     help="--speculative-ngram-min-match-window-size (default: the runtime's)")
@@ -138,28 +158,20 @@ def main() -> None:
                          "must be identical (bf16 extend and decode kernels round differently)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--limit", type=int, default=None, help="run only the first N of each set")
-    ap.add_argument("--model-path", default=None, help="default: the embedded SmolLM2")
     ap.add_argument("--smoke", action="store_true",
-                    help="a tiny random model (unquantized, eager, float32), 1 request a set")
+                    help="2 requests per set, 16 tokens, float32, no quantization or compile")
     args = ap.parse_args()
     if args.smoke:
-        from genserve.bench.tiny import tiny_chat_model
-
-        args.model_path = args.model_path or str(tiny_chat_model())
-        args.quantization, args.compile, args.dtype = "none", False, "float32"
-        args.limit, args.max_tokens = 1, 8
+        args.limit, args.max_tokens, args.dtype = 2, 16, "float32"
+        args.quantization, args.compile = "none", False
 
     from genserve import Engine
 
     common = dict(quantization=args.quantization, compile=args.compile, dtype=args.dtype)
-    spec_kw = {"speculative_algorithm": "ngram"}
-    if args.draft_tokens:
-        spec_kw["speculative_num_draft_tokens"] = args.draft_tokens
-    if args.min_window:
-        spec_kw["speculative_ngram_min_match_window_size"] = args.min_window
-        spec_kw["speculative_ngram_max_match_window_size"] = max(6, args.min_window)
-    engines = {"plain": Engine(args.model_path, **common),
-               "ngram": Engine(args.model_path, **common, **spec_kw)}
+    algorithms = [a for a in args.algorithms.split(",") if a]
+    engines = {"plain": Engine(args.model, **common)}
+    for algorithm in algorithms:
+        engines[algorithm] = Engine(args.model, **common, **speculative_kwargs(args, algorithm))
     tok = engines["plain"].tokenizer
     params = {"max_new_tokens": args.max_tokens, "temperature": 0}
     sets = {"grounded": grounded_prompts(), "free": FREE * 2}
@@ -170,23 +182,22 @@ def main() -> None:
         ids = [chat_ids(tok, t) for t in texts[: args.limit]]
         # One warm-up request per engine (first-call allocations, compile).
         run(engines, ids[:1], {"max_new_tokens": 8, "temperature": 0})
-        before = dict(engines["ngram"].server_info()["stats"])
+        before = {a: dict(engines[a].server_info()["stats"]) for a in algorithms}
         res = run(engines, ids, params)
-        after = engines["ngram"].server_info()["stats"]
         rate = {k: v["tokens"] / v["seconds"] for k, v in res.items()}
-        drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
-        accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-        summary[label] = {
-            "requests": len(ids),
-            "plain_tok_s": round(rate["plain"], 1),
-            "ngram_tok_s": round(rate["ngram"], 1),
-            "speedup": round(rate["ngram"] / rate["plain"], 3),
-            "identical_outputs": res["plain"]["outputs"] == res["ngram"]["outputs"],
-            "acceptance": round(accepted / drafted, 3) if drafted else None,
-            "tokens_per_decode_step": round(
-                res["ngram"]["tokens"]
-                / max(1, after["decode_steps"] - before["decode_steps"]), 2),
-        }
+        summary[label] = {"requests": len(ids), "plain_tok_s": round(rate["plain"], 1)}
+        for a in algorithms:
+            after = engines[a].server_info()["stats"]
+            drafted = after["spec_draft_tokens"] - before[a]["spec_draft_tokens"]
+            accepted = after["spec_accepted_tokens"] - before[a]["spec_accepted_tokens"]
+            steps = after["decode_steps"] - before[a]["decode_steps"]
+            summary[label][a] = {
+                "tok_s": round(rate[a], 1),
+                "speedup": round(rate[a] / rate["plain"], 3),
+                "identical_outputs": res["plain"]["outputs"] == res[a]["outputs"],
+                "acceptance": round(accepted / drafted, 3) if drafted else None,
+                "tokens_per_decode_step": round(res[a]["tokens"] / max(1, steps), 2),
+            }
         print(label, json.dumps(summary[label]), flush=True)
     print(json.dumps(summary, indent=2))
     for engine in engines.values():

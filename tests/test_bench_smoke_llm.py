@@ -92,15 +92,6 @@ def _offline(out: str) -> None:
     has_keys(s["decode"], "batch1_decode_tok_per_s", "batch32_decode_tok_per_s", "ratio_32_vs_1")
 
 
-def _speculative(out: str) -> None:
-    s = last_json(out)
-    for label in ("grounded", "free"):
-        row = s[label]
-        assert row["requests"] == 1 and row["plain_tok_s"] > 0 and row["ngram_tok_s"] > 0
-        assert isinstance(row["identical_outputs"], bool)
-        has_keys(row, "speedup", "acceptance", "tokens_per_decode_step")
-
-
 def _structured(out: str) -> None:
     s = last_json(out)
     ex = s["extraction"]
@@ -136,7 +127,6 @@ SCRIPTS = {
     "bench_load": (("--json",), _load),
     "bench_lora": ((), _lora),
     "bench_offline": ((), _offline),
-    "bench_speculative": ((), _speculative),
     "bench_structured": ((), _structured),
     "bench_tp": ((), _tp),
     "bench_vlm": ((), _vlm),

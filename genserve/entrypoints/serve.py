@@ -54,7 +54,8 @@ def engine_args_from(args: argparse.Namespace, model_path: str | None) -> Any:
     for name in ("dtype", "mem_fraction", "chunked_prefill_size", "page_size", "num_threads",
                  "grammar_backend", "max_images_per_request", "image_cache_bytes",
                  "quantization", "compile", "tp_size", "speculative_algorithm",
-                 "speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
+                 "speculative_num_draft_tokens", "speculative_draft_model_path",
+                 "speculative_num_steps", "speculative_ngram_min_match_window_size",
                  "speculative_ngram_max_match_window_size", "max_loaded_loras"):
         value = getattr(args, name, None)
         if value is not None:  # else the runtime's default
@@ -142,7 +143,9 @@ def llm_engine_args(args: argparse.Namespace, path: str | None) -> Any:
             and engine_args.speculative_algorithm):
         logger.info("%s (%s) decodes without speculation: --speculative-algorithm applies to "
                     "text models", row.name, row.summary)
-        engine_args = dataclasses.replace(engine_args, speculative_algorithm=None)
+        engine_args = dataclasses.replace(engine_args, speculative_algorithm=None,
+                                          speculative_draft_model_path=None,
+                                          speculative_num_steps=None)
     if (not args.model_path and row is not None and row.task == "vision chat"
             and engine_args.lora_paths):
         logger.info("%s (%s) serves no LoRA adapters: --lora-paths applies to text models",

@@ -22,6 +22,7 @@ from genserve.srt.pooling_config import read_pooling_spec
 from genserve.srt.sampling.sampling_params import SamplingParams
 from genserve.srt.scheduler.scheduler import Scheduler
 from genserve.srt.server_args import EngineArgs
+from genserve.srt.speculative.draft_model import build_draft_runner, resolve_draft_model
 from genserve.srt.tokenizer_manager import load_tokenizer, make_tokenized_req
 
 if TYPE_CHECKING:
@@ -158,16 +159,20 @@ def build_runtime(
     config = ModelConfig.from_folder(folder)
     tokenizer = load_tokenizer(folder)
     context_length = context_length_for(args, config)
+    draft = None if args.speculative_algorithm != "draft" else resolve_draft_model(
+        args, config, tokenizer, context_length, pooled=pooling is not None)
     if args.tp_size == 1:
         runner = ModelRunner(args, config, folder, context_length, source_precision,
-                             pooling=pooling, plan_pool=named_plan)
+                             pooling=pooling, plan_pool=named_plan,
+                             shared_kv_bytes_per_token=draft.kv_bytes_per_token if draft else 0)
         workers = None
     else:
         runner, workers = _start_tensor_parallel(
             args, config, folder, context_length, source_precision, log_level, on_rank_death,
             named_plan,
         )
-    scheduler = Scheduler(args, runner, tokenizer)
+    draft_runner = build_draft_runner(args, draft, runner, context_length) if draft else None
+    scheduler = Scheduler(args, runner, tokenizer, draft_runner)
     if runner.compiled:
         warm_up_compiled_decode(scheduler)
     kv_gib = runner.max_total_tokens * runner.kv_bytes_per_token() / 2**30

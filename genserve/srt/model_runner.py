@@ -177,6 +177,7 @@ class ModelRunner:
         tp: TPGroup | None = None,
         pooling: PoolingSpec | None = None,
         plan_pool: Callable[[dict], int] | None = None,
+        shared_kv_bytes_per_token: int = 0,
     ):
         """source_precision: "int8" / "int4" when the weights came from a GGUF or a pre-quantized
         checkpoint stored in that precision class (what `--quantization auto` keeps), None for
@@ -187,8 +188,11 @@ class ModelRunner:
         [batch, hidden] where a generative model returns logits.
         plan_pool: the server's memory plan (genserve/memory_plan.py): given `memory_report()`
         once the weights are in, it answers the KV pool's size in tokens (None: the runner
-        sizes its pool itself)."""
+        sizes its pool itself).
+        shared_kv_bytes_per_token: KV bytes per token of another pool sized like this one
+        (a draft model's): an automatically sized pool leaves them room in the budget."""
         self.pooling = pooling
+        self.shared_kv_bytes_per_token = shared_kv_bytes_per_token
         check_tensor_parallel(config, args.tp_size)
         self.args = args
         self.config = config
@@ -382,7 +386,7 @@ class ModelRunner:
         if self.device.type != "cuda" and self.args.max_total_tokens is None:
             own = self._pool_size()
         return {**device_memory(self.device), "weights_bytes": weights,
-                "kv_bytes_per_token": self.kv_bytes_per_token(),
+                "kv_bytes_per_token": self.kv_bytes_per_token() + self.shared_kv_bytes_per_token,
                 "context_length": self.context_length,
                 "activation_bytes": self.activation_bytes() if self.device.type == "cuda" else 0,
                 "fixed_tokens": self.args.max_total_tokens, "default_tokens": own}
@@ -405,7 +409,7 @@ class ModelRunner:
         else:
             fraction = self.args.mem_fraction or CPU_MEM_FRACTION
             budget = psutil.virtual_memory().available * fraction
-        tokens = int(budget) // self.kv_bytes_per_token()
+        tokens = int(budget) // (self.kv_bytes_per_token() + self.shared_kv_bytes_per_token)
         # Rounded down to a power of two: free memory differs a little from start to start,
         # and the pool's size is a static shape of the compiled decode graph, so an exact
         # size would give every start a new graph and defeat the compile cache.

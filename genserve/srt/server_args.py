@@ -10,7 +10,7 @@ KERNELS = ("torch", "triton")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 QUANTIZATIONS = ("none", "int8wo", "int4wo", "auto")
-SPECULATIVE_ALGORITHMS = ("ngram",)
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -61,9 +61,13 @@ class EngineArgs:
     tp_size: int = 1
     # Speculative decoding (SGLang's flag names): None = off; "ngram" drafts from the request's
     # own prompt and output and verifies up to num_draft_tokens per decode step, matching its
-    # last 1..max tokens (longest first, at least min).
+    # last 1..max tokens (longest first, at least min); "draft" has a smaller model with the
+    # same tokenizer (speculative_draft_model_path) propose num_steps tokens greedily (None:
+    # num_draft_tokens), its KV in a pool of its own.
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
     speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 6
     # Serve a registry decoder (Qwen3, Llama...) as a last-token-pooling embedder even when its
@@ -137,6 +141,7 @@ class EngineArgs:
         if not 1 <= self.speculative_num_draft_tokens <= 64:
             raise ValueError("speculative_num_draft_tokens must be in [1, 64], got "
                              f"{self.speculative_num_draft_tokens}")
+        self._check_draft_model()
         if not (1 <= self.speculative_ngram_min_match_window_size
                 <= self.speculative_ngram_max_match_window_size):
             raise ValueError(
@@ -173,6 +178,32 @@ class EngineArgs:
         if self.lora_paths and self.compile:
             raise ValueError("LoRA adapters (--lora-paths) are not supported with --compile "
                              "(the compiled decode step has no LoRA path); drop one of them")
+
+    def _check_draft_model(self) -> None:
+        draft = self.speculative_algorithm == "draft"
+        if draft and not self.speculative_draft_model_path:
+            raise ValueError("--speculative-algorithm draft needs --speculative-draft-model-path "
+                             "(a smaller model with the same tokenizer)")
+        if self.speculative_draft_model_path and not draft:
+            raise ValueError("--speculative-draft-model-path applies to --speculative-algorithm "
+                             f"draft, got {self.speculative_algorithm!r}")
+        if self.speculative_num_steps is not None:
+            if not draft:
+                raise ValueError("--speculative-num-steps applies to --speculative-algorithm "
+                                 f"draft, got {self.speculative_algorithm!r}")
+            if not 1 <= self.speculative_num_steps <= 64:
+                raise ValueError("speculative_num_steps must be in [1, 64], got "
+                                 f"{self.speculative_num_steps}")
+        if draft and self.tp_size > 1:
+            raise ValueError("--speculative-algorithm draft is not supported with --tp > 1 yet; "
+                             "drop one of them")
+        if draft and self.lora_paths:
+            raise ValueError("--speculative-algorithm draft is not supported with LoRA adapters "
+                             "(--lora-paths): the draft model has no adapters; use ngram")
+
+    def speculative_draft_steps(self) -> int:
+        """Tokens the draft model proposes per decode step (draft algorithm)."""
+        return self.speculative_num_steps or self.speculative_num_draft_tokens
 
     def lora_slots(self) -> int:
         """How many adapters the slot buffers hold (--max-loaded-loras, resolved)."""

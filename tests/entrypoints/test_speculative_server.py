@@ -1,7 +1,8 @@
-"""`genserve serve --speculative-algorithm ngram` end to end: the official openai client gets
-the same greedy answer whether the request speculates or decodes plainly (asking for logprobs
-makes it decode plainly on the same server), drafts are accepted on an answer that copies its
-prompt, and the pool is whole afterwards."""
+"""`genserve serve --speculative-algorithm ngram|draft` end to end: the official openai client
+gets the same greedy answer whether the request speculates or decodes plainly (asking for
+logprobs makes it decode plainly on the same server), drafts are accepted (on an answer that
+copies its prompt for n-gram; from the served model itself as its own draft), and the pool is
+whole afterwards."""
 
 from __future__ import annotations
 
@@ -52,4 +53,26 @@ def test_a_vision_model_refuses_speculation_at_start():
     with pytest.raises(RuntimeError, match="speculative decoding is not supported"):
         with serve_process("--model-path", "shapes-vl", "--speculative-algorithm", "ngram",
                            start_timeout=120):
+            pass
+
+
+def test_a_draft_model_server_keeps_greedy_answers():
+    with serve_process("--speculative-algorithm", "draft", "--speculative-draft-model-path",
+                       MODEL, "--speculative-num-steps", "3", "--max-total-tokens", "4096") as u:
+        client = openai.OpenAI(base_url=f"{u}/v1", api_key="none")
+        messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+        spec = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32,
+                                              temperature=0)
+        plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32,
+                                               temperature=0, logprobs=True)
+        assert spec.choices[0].message.content == plain.choices[0].message.content
+        info = httpx.get(f"{u}/get_server_info?model={MODEL}", timeout=30).json()
+        assert info["stats"]["spec_accepted_tokens"] > 0, info["stats"]
+        assert info["available_tokens"] + info["cache"]["total_tokens"] == info["max_total_tokens"]
+
+
+def test_a_missing_draft_model_is_refused_at_start():
+    with pytest.raises(RuntimeError, match="--speculative-draft-model-path '/no/such/draft'"):
+        with serve_process("--speculative-algorithm", "draft",
+                           "--speculative-draft-model-path", "/no/such/draft", start_timeout=120):
             pass

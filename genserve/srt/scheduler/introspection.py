@@ -53,6 +53,8 @@ def check_scheduler_integrity(s: Scheduler) -> None:
         s.mm.check_integrity(live + s.waiting)
     if s.lora is not None:
         s.lora.check_integrity(pins_by_adapter(live))
+    if s.spec is not None:
+        s.spec.check_integrity(live, s.waiting + compiling)
     if any(r.lora_slot >= 0 for r in s.waiting + compiling):
         raise IntegrityError("a waiting request still pins a LoRA adapter slot")
 

@@ -38,7 +38,7 @@ from genserve.srt.scheduler.policy import create_policy
 from genserve.srt.scheduler.pooling import pooled_vector
 from genserve.srt.scheduler.req import Req
 from genserve.srt.scheduler.sample_step import sample_step
-from genserve.srt.scheduler.speculative import NgramSpeculation, run_speculative_decode
+from genserve.srt.scheduler.speculative import create_speculation, run_speculative_decode
 from genserve.srt.server_args import EngineArgs
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,9 @@ _DEDUPE_MIN_TOKENS = 32
 
 
 class Scheduler:
-    def __init__(self, args: EngineArgs, runner: ModelRunner, tokenizer: Any) -> None:
+    def __init__(self, args: EngineArgs, runner: ModelRunner, tokenizer: Any,
+                 draft: ModelRunner | None = None) -> None:
+        """draft: the draft model's runner (`--speculative-algorithm draft`)."""
         self.args = args
         self.runner = runner
         self.tokenizer = tokenizer
@@ -68,10 +70,7 @@ class Scheduler:
         self.policy = create_policy(args.schedule_policy)
         self.sampler = Sampler()
         self.mm = create_multimodal_runtime(runner, args)  # None for text-only models
-        if args.speculative_algorithm is not None and self.mm is not None:
-            raise ValueError("speculative decoding is not supported for vision-language models; "
-                             "drop --speculative-algorithm")
-        self.spec = NgramSpeculation(args) if args.speculative_algorithm == "ngram" else None
+        self.spec = create_speculation(args, draft, multimodal=self.mm is not None)
         self.lora = runner.lora  # the adapter pool; None where adapters are not served
         self.eos_ids = frozenset(runner.config.eos_token_ids)
         self.vocab_size = runner.config.vocab_size
@@ -455,6 +454,8 @@ class Scheduler:
         if self.mm is not None:
             self.mm.release(req)
         unpin_adapter(self.lora, req)
+        if self.spec is not None:  # a draft model's KV for the request
+            self.spec.release(req)
         release_req(req, self.req_to_token_pool, self.allocator, self.cache, insert)
 
     def _retract_one(self) -> None:

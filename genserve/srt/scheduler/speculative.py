@@ -5,12 +5,15 @@ tokens go back to the free list in the same step.
 
 Requests that cannot speculate (see `can_speculate`) or have no draft ride along as one-token
 extends and are sampled by the plain sampler, so a batch mixes both freely.
+
+Drafts come from prompt lookup (`NgramSpeculation`) or from a draft model
+(`DraftModelProposer`, which holds KV of its own: it is freed with the request's).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -19,11 +22,31 @@ from genserve.srt.messages import ReqOutput
 from genserve.srt.scheduler.sample_step import sample_step
 from genserve.srt.server_args import EngineArgs
 from genserve.srt.speculative import NgramProposer, can_speculate, verify_draft
+from genserve.srt.speculative.draft import DraftModelProposer
 from genserve.srt.speculative.ngram import ForwardCost, NgramState
 
 if TYPE_CHECKING:
+    from genserve.srt.model_runner import ModelRunner
     from genserve.srt.scheduler.req import Req
     from genserve.srt.scheduler.scheduler import Scheduler
+
+
+class Speculation(Protocol):
+    """What the scheduler asks of a proposer (`NgramSpeculation`, `DraftModelProposer`)."""
+
+    cost: ForwardCost  # the target's forward costs, measured by the scheduler
+
+    def drafts(self, reqs: list[Req], context_length: int) -> list[list[int]]:
+        """Each running request's draft for this step ([]: it decodes plainly)."""
+
+    def record(self, req: Req, proposed: int, accepted: int) -> None:
+        """A verified draft of `req` (its tokens are appended already)."""
+
+    def release(self, req: Req) -> None:
+        """Free whatever the proposer holds for `req` (it ended or was retracted)."""
+
+    def check_integrity(self, live: list[Req], waiting: list[Req]) -> None:
+        """Raise IntegrityError when what the proposer holds disagrees with the requests."""
 
 
 class NgramSpeculation:
@@ -51,6 +74,31 @@ class NgramSpeculation:
             out.append(self.proposer.propose(req.spec_state, req.origin_input_ids,
                                              req.output_ids, limit, self.cost.rho))
         return out
+
+    def record(self, req: Req, proposed: int, accepted: int) -> None:
+        self.proposer.record(req.spec_state, proposed, accepted)
+
+    def release(self, req: Req) -> None:
+        """Nothing to free: a request's n-gram index is plain Python state, kept across a
+        retraction."""
+
+    def check_integrity(self, live: list[Req], waiting: list[Req]) -> None:
+        """Nothing to check: n-gram speculation holds no KV of its own."""
+
+
+def create_speculation(args: EngineArgs, draft: ModelRunner | None,
+                       multimodal: bool) -> Speculation | None:
+    """The scheduler's proposer for `--speculative-algorithm`, or None when it is off."""
+    if args.speculative_algorithm is None:
+        return None
+    if multimodal:
+        raise ValueError("speculative decoding is not supported for vision-language models; "
+                         "drop --speculative-algorithm")
+    if args.speculative_algorithm == "ngram":
+        return NgramSpeculation(args)
+    if draft is None:
+        raise ValueError("--speculative-algorithm draft needs the draft model's runner")
+    return DraftModelProposer(draft, args.speculative_draft_steps(), args.chunked_prefill_size)
 
 
 def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
@@ -115,7 +163,7 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
             req.kv_len += appended
             if appended < n:
                 s.allocator.free(slots[start + appended : start + n])
-            s.spec.proposer.record(req.spec_state, len(draft), len(tokens) - 1)
+            s.spec.record(req, len(draft), len(tokens) - 1)
             s.stats["spec_draft_tokens"] += len(draft)
             s.stats["spec_accepted_tokens"] += len(tokens) - 1
             s.stats["generated_tokens"] += appended

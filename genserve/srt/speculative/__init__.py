@@ -2,9 +2,11 @@
 the target model, so a decode step can emit several tokens.
 
 `ngram.py` proposes tokens by prompt lookup (the request's own prompt and output);
-`verify.py` accepts or rejects them so that greedy output is unchanged and sampled output keeps
-the target distribution; the scheduler (`scheduler/speculative.py`) runs the verify forward and
-returns rejected tokens' KV slots.
+`draft.py` by a smaller model with the same tokenizer (loaded by `draft_model.py`), whose KV
+lives in a pool of its own; `adaptive.py` decides per request how long a draft pays and stops
+a request whose drafts keep failing; `verify.py` accepts or rejects them so that greedy output
+is unchanged and sampled output keeps the target distribution; the scheduler
+(`scheduler/speculative.py`) runs the verify forward and returns rejected tokens' KV slots.
 """
 
 from genserve.srt.speculative.ngram import NgramProposer

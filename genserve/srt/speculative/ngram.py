@@ -6,67 +6,21 @@ Each request keeps an index from n-gram to the end of its most recent earlier oc
 every n in [min_n, max_n]; the index grows with the request's output, so a proposal costs a few
 dictionary lookups.
 
-How long a draft is worth verifying depends on how often the request's drafts are accepted and
-on what each extra token costs the verify forward on this device (`ForwardCost`, measured while
-serving): a draft of k tokens at per-token acceptance a yields (1 - a^(k+1)) / (1 - a) tokens for
-1 + rho * k decode steps of time, and the proposer takes the k that maximises the ratio (k = 0:
-decode plainly). Requests whose drafts keep failing also back off exponentially, so speculation
-stays off where it does not pay.
+How long a draft is worth verifying, and when a request whose drafts keep failing stops
+speculating, is decided per request by `adaptive.py` (shared with the draft-model proposer).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-_MAX_BACKOFF = 32  # decode steps a request skips speculation after repeated misses
-_DECAY = 0.9  # weight of a request's older verifies in its acceptance estimate
-_EMA = 0.1  # weight of a new timing in ForwardCost
+from genserve.srt.speculative.adaptive import AcceptanceRecord, ForwardCost, best_draft_len
 
-
-class ForwardCost:
-    """Online estimate of a forward's time: a plain decode step, and what each extra (draft)
-    token adds to it, as a share `rho` of the step. Until both are measured rho is 0 (drafts
-    look free), so the first verifies measure the cost."""
-
-    def __init__(self) -> None:
-        self.step_s = 0.0
-        self.per_token_s = 0.0
-        self._measured_verify = False
-
-    def record_decode(self, seconds: float) -> None:
-        if self.step_s and seconds > 10 * self.step_s:
-            return  # a stall (compile, GC, another process), not the step's cost
-        self.step_s = seconds if not self.step_s else (1 - _EMA) * self.step_s + _EMA * seconds
-
-    def record_verify(self, seconds: float, extra_tokens: int) -> None:
-        if not self.step_s or extra_tokens <= 0 or seconds > 10 * self.step_s:
-            return
-        sample = max(0.0, seconds - self.step_s) / extra_tokens
-        if not self._measured_verify:
-            self.per_token_s, self._measured_verify = sample, True
-        else:
-            self.per_token_s = (1 - _EMA) * self.per_token_s + _EMA * sample
-
-    @property
-    def rho(self) -> float:
-        return self.per_token_s / self.step_s if self.step_s and self._measured_verify else 0.0
-
-
-def best_draft_len(accept: float, rho: float, limit: int) -> int:
-    """The draft length k in [0, limit] with the most expected tokens per unit of forward time:
-    (1 + a + ... + a^k) / (1 + rho * k)."""
-    best_k, best, expected, power = 0, 1.0, 1.0, 1.0
-    for k in range(1, limit + 1):
-        power *= accept
-        expected += power
-        value = expected / (1 + rho * k)
-        if value > best + 1e-9:
-            best_k, best = k, value
-    return best_k
+__all__ = ["ForwardCost", "NgramProposer", "NgramState", "best_draft_len"]
 
 
 @dataclass
-class NgramState:
+class NgramState(AcceptanceRecord):
     """One request's n-gram index and acceptance record."""
 
     tokens: list[int] = field(default_factory=list)  # prompt + output seen so far
@@ -74,18 +28,6 @@ class NgramState:
     # (n-gram tuple) -> index just past its most recent occurrence that has a follower.
     table: dict[tuple[int, ...], int] = field(default_factory=dict)
     indexed: int = 0  # n-grams ending before this index are in `table`
-    skip: int = 0  # decode steps left without speculation
-    backoff: int = 1
-    proposed: int = 0
-    accepted: int = 0
-    # Decayed counts of draft positions accepted and of verifies that ended on a rejection:
-    # the per-token acceptance estimate is hits / (hits + misses), optimistic at the start.
-    hits: float = 1.0
-    misses: float = 0.0
-
-    @property
-    def accept_rate(self) -> float:
-        return self.hits / (self.hits + self.misses)
 
 
 class NgramProposer:
@@ -105,12 +47,7 @@ class NgramProposer:
         at extra-token cost `rho` (see `best_draft_len`); [] when none matches or the request
         is backing off."""
         self._sync(state, prompt, output)
-        if state.skip > 0:
-            state.skip -= 1
-            return []
-        limit = min(limit, self.num_draft_tokens)
-        if limit > 0 and rho > 0:
-            limit = best_draft_len(state.accept_rate, rho, limit)
+        limit = state.draft_len(min(limit, self.num_draft_tokens), rho)
         if limit <= 0:
             return []
         toks = state.tokens
@@ -122,15 +59,7 @@ class NgramProposer:
 
     def record(self, state: NgramState, proposed: int, accepted: int) -> None:
         """Count a verified draft; a draft with nothing accepted doubles the back-off."""
-        state.proposed += proposed
-        state.accepted += accepted
-        state.hits = _DECAY * state.hits + accepted
-        state.misses = _DECAY * state.misses + (1 if accepted < proposed else 0)
-        if accepted == 0:
-            state.skip = state.backoff
-            state.backoff = min(state.backoff * 2, _MAX_BACKOFF)
-        else:
-            state.backoff = 1
+        state.record(proposed, accepted)
 
     def _sync(self, state: NgramState, prompt: list[int], output: list[int]) -> None:
         """Bring the index up to date with the request's tokens (rebuilt if they shrank)."""
