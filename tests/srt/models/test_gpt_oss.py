@@ -211,3 +211,18 @@ def test_bad_mxfp4_tensors_are_refused_at_start_up(plain, tmp_path, damage, mess
     save_file(tensors, str(path), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=message):
         Engine(str(quantized), dtype="float32", max_total_tokens=256)
+
+
+def test_compiled_decode_gives_the_eager_tokens(plain):
+    """--compile through the masked decode path (window and sinks): its validity mask is as
+    dynamic in length as the KV index (once a constraint violation at the first compile)."""
+    sampling = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    got = []
+    for compile_ in (False, True):
+        engine = Engine(str(plain), dtype="float32", max_total_tokens=512, compile=compile_)
+        try:
+            assert engine.model_info()["compile"] is compile_
+            got.append(engine.generate(input_ids=PROMPTS[2], sampling_params=sampling))
+        finally:
+            engine.shutdown()
+    assert got[0]["output_ids"] == got[1]["output_ids"]

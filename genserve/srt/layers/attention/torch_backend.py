@@ -64,6 +64,9 @@ class TorchAttnBackend(AttentionBackend):
             index = torch.where(valid, rows, torch.zeros_like(rows))
             if self.dynamic_decode_len:
                 torch._dynamo.mark_dynamic(index, 1)
+                # The masked path (windows, soft-caps, sinks) reads the validity mask too: left
+                # static, its length would contradict the index's dynamic one.
+                torch._dynamo.mark_dynamic(valid, 1)
             self._full_index, self._full_valid, self._seq_lens = index, valid, fb.seq_lens
             # Rows of one length (always at batch 1) need no padding mask: SDPA then runs its
             # unmasked kernel.
