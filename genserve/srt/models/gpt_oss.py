@@ -1,9 +1,9 @@
 """GPT-OSS: the Llama decoder with OpenAI's choices.
 
-- attention: q/k/v and output projections all biased; one learned sink logit per query head
-  joins every softmax (it takes probability mass and contributes no value); layers alternate
-  between a `sliding_window` band and full attention as `layer_types` says; YaRN rotary (read
-  from `rope_parameters` like any family's);
+- attention: q/k/v and output projections biased (`attention_bias`); one learned sink logit
+  per query head joins every softmax (it takes probability mass and contributes no value);
+  layers alternate between a `sliding_window` band and full attention as `layer_types` says;
+  YaRN rotary (read from `rope_parameters` like any family's);
 - MLP: a mixture of experts. The router (biased) takes the top-k logits and softmaxes over
   those k only; each expert is a clamped SwiGLU, `(clamp(up, -l, l) + 1) * g * sigmoid(alpha *
   g)` with `g = min(gate, l)`, whose gate and up columns are interleaved in one `gate_up_proj`
@@ -44,13 +44,14 @@ class GptOssAttention(LlamaAttention):
 
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
                  kernels: ModelKernels, tp: TPGroup) -> None:
-        super().__init__(cfg, layer_id, rotary, kernels=kernels, qkv_bias=True, qk_norm=False,
+        bias = bool(cfg.hf.get("attention_bias", True))
+        super().__init__(cfg, layer_id, rotary, kernels=kernels, qkv_bias=bias, qk_norm=False,
                          tp=tp)
         heads = split_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp)
         self.q_start, self.tp_size = heads.q_start, tp.size
         d = self.head_dim
         self.o_proj = RowParallelLinear((heads.q_start * d, self.q_size), cfg.hidden_size, tp,
-                                        bias=True)
+                                        bias=bias)
         self.sinks = nn.Parameter(torch.empty(self.num_heads))
         self.info = AttentionLayerInfo(
             layer_id=layer_id,
@@ -152,7 +153,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def make_layer(self, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
         layer = LlamaDecoderLayer(self.config, layer_id, rotary, kernels=self.kernels,
-                                  qkv_bias=True, qk_norm=False, tp=self.tp)
+                                  qk_norm=False, tp=self.tp)
         layer.self_attn = GptOssAttention(  # type: ignore[assignment]
             self.config, layer_id, rotary, self.kernels, self.tp)
         layer.mlp = GptOssMoE(self.config, self.tp)  # type: ignore[assignment]

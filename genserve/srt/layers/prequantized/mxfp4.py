@@ -74,9 +74,13 @@ class MXFP4(CheckpointQuantization):
             raise ValueError(f"{what_s} holds the E8M0 NaN exponent (255)")
         lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
         experts, rows, groups, width = blocks.shape
-        values = torch.empty(experts, rows, groups, 2 * width, dtype=torch.float32)
-        values[..., 0::2] = lut[(blocks & 0x0F).long()]
-        values[..., 1::2] = lut[(blocks >> 4).long()]
-        values = torch.ldexp(values, scales.to(torch.int32).sub_(127).unsqueeze(-1))
-        # [experts, out, in] -> the stored full-precision layout [experts, in, out].
-        return values.reshape(experts, rows, groups * 2 * width).transpose(1, 2).contiguous()
+        # Expert by expert into the stored full-precision layout [experts, in, out]: the
+        # transient index tensors stay one expert's size.
+        out = torch.empty(experts, groups * 2 * width, rows, dtype=torch.float32)
+        for e in range(experts):
+            values = torch.empty(rows, groups, 2 * width, dtype=torch.float32)
+            values[..., 0::2] = lut[(blocks[e] & 0x0F).long()]
+            values[..., 1::2] = lut[(blocks[e] >> 4).long()]
+            exponents = scales[e].to(torch.int32).sub_(127).unsqueeze(-1)
+            out[e] = torch.ldexp(values, exponents).reshape(rows, -1).t()
+        return out
