@@ -34,7 +34,10 @@ E8M0_NAN = 255
 class MXFP4(CheckpointQuantization):
     method = "mxfp4"
     bits = 4
-    auto_class = None
+
+    @property
+    def auto_class(self) -> str | None:
+        return None  # only expert stacks are 4-bit; the linear layers are stored plain
 
     def __init__(self, qc: dict[str, Any]) -> None:
         pass  # modules_to_not_convert: those modules' tensors are stored plain, read as such
