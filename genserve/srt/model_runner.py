@@ -228,13 +228,13 @@ class ModelRunner:
             unsupported = [
                 i.layer_id
                 for i in self.model.attention_layers()
-                if i.sliding_window is not None or i.logit_softcap is not None
+                if i.sliding_window is not None or i.logit_softcap is not None or i.sinks
             ]
             if unsupported:
                 raise ValueError(
-                    f"{config.architecture} uses sliding-window or soft-capped attention in "
-                    f"layers {unsupported}, which the triton backend does not implement; "
-                    "use --attention-backend torch"
+                    f"{config.architecture} uses sliding-window, soft-capped or sink "
+                    f"attention in layers {unsupported}, which the triton backend does not "
+                    "implement; use --attention-backend torch"
                 )
 
         # Every rank takes the smallest pool so that rank 0's slot indices are valid on all.

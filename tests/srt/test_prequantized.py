@@ -151,7 +151,7 @@ def _edit_config(folder: Path, **changes) -> None:
 
 
 @pytest.mark.parametrize("method, changes, message", [
-    ("mxfp4", {}, "quant_method 'mxfp4' is not supported"),
+    ("bitsandbytes", {}, "quant_method 'bitsandbytes' is not supported"),
     ("gptq", {"bits": 8}, "bits=8"),
     ("gptq", {"bits": 3}, "bits=3"),
     ("awq", {"bits": 4, "version": "gemv"}, "version 'gemv'"),

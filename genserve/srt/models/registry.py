@@ -37,6 +37,7 @@ _MODELS: dict[str, ModelEntry] = {
     "MixtralForCausalLM": ModelEntry("mixtral", "MixtralForCausalLM", "mixtral"),
     "Qwen2MoeForCausalLM": ModelEntry("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2_moe"),
     "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
+    "GptOssForCausalLM": ModelEntry("gpt_oss", "GptOssForCausalLM", "gpt_oss"),
     # Vision-language models: Hugging Face's vision towers around a registry decoder.
     "Qwen2VLForConditionalGeneration": ModelEntry(
         "qwen2_vl", "Qwen2VLForConditionalGeneration", "qwen2_vl",

@@ -21,6 +21,9 @@ class AttentionLayerInfo:
     sliding_window: int | None = None
     # Gemma 2: scores become cap * tanh(scores / cap) before the softmax.
     logit_softcap: float | None = None
+    # GPT-OSS: one learned logit per query head joins each softmax as an extra column that
+    # takes probability mass and adds no value; the layer passes the tensor to `forward`.
+    sinks: bool = False
 
 
 class AttentionBackend(ABC):
@@ -38,6 +41,7 @@ class AttentionBackend(ABC):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         layer: AttentionLayerInfo,
         forward_batch: ForwardBatch,
+        sinks: torch.Tensor | None = None,  # [num_heads] float, for a layer with `sinks`
     ) -> torch.Tensor:
         """Store k/v at `forward_batch.out_cache_loc` in layer `layer.layer_id` of the pool,
         then attend: each new token sees its request's cached prefix and, causally, the

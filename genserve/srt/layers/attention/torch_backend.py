@@ -10,9 +10,9 @@ Cascade runs for a float32 KV pool only. Its math is float32 (the log-sum-exp me
 beats padded SDPA; with bfloat16 K/V, SDPA's own bf16 kernel beats cascade, so bf16 batches
 always take the padded path (docs/benchmarks.md).
 
-Layers with a sliding window or attention-logit soft-capping (Mistral, Gemma 2/3) take the
-padded path with an explicit mask; soft-capping computes the scores itself since SDPA cannot
-cap them.
+Layers with a sliding window, attention-logit soft-capping (Mistral, Gemma 2/3) or attention
+sinks (GPT-OSS) take the padded path with an explicit mask; soft-capping and sinks compute the
+scores themselves since SDPA can neither cap them nor add a column to its softmax.
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ class TorchAttnBackend(AttentionBackend):
             index = torch.where(valid, rows, torch.zeros_like(rows))
             if self.dynamic_decode_len:
                 torch._dynamo.mark_dynamic(index, 1)
+                # The masked path (windows, soft-caps, sinks) reads the validity mask too: left
+                # static, its length would contradict the index's dynamic one.
+                torch._dynamo.mark_dynamic(valid, 1)
             self._full_index, self._full_valid, self._seq_lens = index, valid, fb.seq_lens
             # Rows of one length (always at batch 1) need no padding mask: SDPA then runs its
             # unmasked kernel.
@@ -140,14 +143,18 @@ class TorchAttnBackend(AttentionBackend):
         v: torch.Tensor,
         layer: AttentionLayerInfo,
         fb: ForwardBatch,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if layer.sinks and sinks is None:
+            raise ValueError(f"layer {layer.layer_id} has attention sinks but none were passed")
         pool = fb.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         gqa = layer.num_heads != layer.num_kv_heads
-        special = layer.sliding_window is not None or layer.logit_softcap is not None
+        special = (layer.sliding_window is not None or layer.logit_softcap is not None
+                   or layer.sinks)
         if fb.mode is ForwardMode.DECODE and special:
-            return self._decode_masked(q, k_buf, v_buf, layer)
+            return self._decode_masked(q, k_buf, v_buf, layer, sinks)
         if fb.mode is ForwardMode.DECODE:
             if not self._groups:
                 return self._decode_padded(q, k_buf, v_buf, layer, gqa)
@@ -189,13 +196,15 @@ class TorchAttnBackend(AttentionBackend):
                 mask,
                 causal,
                 layer,
+                sinks,
             )
             out[start:end] = o.squeeze(0).transpose(0, 1)
             start = end
         return out
 
     def _decode_masked(
-        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         index, valid = self._full_index, self._full_valid
         assert index is not None and valid is not None and self._seq_lens is not None
@@ -215,6 +224,7 @@ class TorchAttnBackend(AttentionBackend):
             mask[:, None, None, :],
             False,
             layer,
+            sinks,
         )
         return out.squeeze(2)
 
@@ -281,9 +291,10 @@ def _attend(
     mask: torch.Tensor | None,  # bool, broadcastable to [B, heads, Lq, Lk]
     causal: bool,
     layer: AttentionLayerInfo,
+    sinks: torch.Tensor | None = None,  # [heads]
 ) -> torch.Tensor:
     gqa = layer.num_heads != layer.num_kv_heads
-    if layer.logit_softcap is None:
+    if layer.logit_softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=layer.scaling, enable_gqa=gqa
         )
@@ -292,11 +303,18 @@ def _attend(
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * layer.scaling
     cap = layer.logit_softcap
-    scores = torch.tanh(scores / cap) * cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     if causal:
         lq, lk = scores.shape[-2:]
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
+    # The sink is one more softmax column per head; its probability is dropped (it has no
+    # value row), so every row's weights sum to less than one.
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs[..., :-1].to(q.dtype), v)

@@ -84,7 +84,10 @@ class TritonAttnBackend(AttentionBackend):
         v: torch.Tensor,
         layer: AttentionLayerInfo,
         forward_batch: ForwardBatch,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if layer.sinks or sinks is not None:  # the runner refuses these models at start-up
+            raise ValueError(f"layer {layer.layer_id}: the triton kernels have no attention sinks")
         meta = self.metadata
         if meta is None or meta.mode is not forward_batch.mode:
             raise RuntimeError("TritonAttnBackend.forward called before init_forward_metadata")

@@ -15,7 +15,8 @@ scales, activation configs and `kv_cache_scheme` are read past).
 Supported: `fp8` (float8_e4m3fn weights with a per-tensor scale or `weight_block_size` blocks of
 `weight_scale_inv`), `compressed-tensors` (int8 `naive-quantized` / `int-quantized`, fp8
 `float-quantized`, int4 / int8 `pack-quantized`; per-tensor, channel, group or block scales),
-`gptq` (4-bit, `desc_act` through `g_idx`) and `awq` (4-bit GEMM layout).
+`gptq` (4-bit, `desc_act` through `g_idx`), `awq` (4-bit GEMM layout) and `mxfp4` (GPT-OSS's
+expert stacks, dequantized into their full-precision layout; `auto` keeps such a model as is).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from genserve.srt.layers.prequantized.base import (
 from genserve.srt.layers.prequantized.compressed_tensors import CompressedTensors
 from genserve.srt.layers.prequantized.fp8 import FP8
 from genserve.srt.layers.prequantized.gptq_awq import AWQ, GPTQ
+from genserve.srt.layers.prequantized.mxfp4 import MXFP4
 
 __all__ = ["SUPPORTED", "CheckpointQuantization", "QuantizedWeight", "checkpoint_quantization",
            "precision_class"]
@@ -49,7 +51,8 @@ def checkpoint_quantization(hf_config: dict[str, Any]) -> CheckpointQuantization
     if not isinstance(qc, dict):
         raise ValueError(f"config.json: quantization_config must be an object, got {qc!r}")
     method = str(qc.get("quant_method", "")).lower()
-    formats = {"fp8": FP8, "compressed-tensors": CompressedTensors, "gptq": GPTQ, "awq": AWQ}
+    formats = {"fp8": FP8, "compressed-tensors": CompressedTensors, "gptq": GPTQ, "awq": AWQ,
+               "mxfp4": MXFP4}
     if method not in formats:
         raise ValueError(
             f"config.json: quantization_config.quant_method {qc.get('quant_method')!r} is not "
@@ -61,11 +64,12 @@ def checkpoint_quantization(hf_config: dict[str, Any]) -> CheckpointQuantization
 def precision_class(folder: Path) -> str | None:
     """"int4" / "int8" for a pre-quantized checkpoint whose weights are stored in at most 4 / 8
     bits (what `--quantization auto` runs it as, like a GGUF of that class), None for a
-    full-precision one (or a folder without config.json)."""
+    full-precision one (or a folder without config.json) and for a format that `auto` keeps as
+    loaded (mxfp4)."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         return None
     scheme = checkpoint_quantization(json.loads(path.read_text()))
     if scheme is None:
         return None
-    return "int4" if scheme.bits <= 4 else "int8"
+    return scheme.auto_class

@@ -13,8 +13,8 @@ import torch
 
 SUPPORTED = (
     "fp8 (per-tensor or block-wise scales), compressed-tensors (naive-quantized / "
-    "int-quantized int8, float-quantized fp8, pack-quantized int4 / int8), gptq (bits=4) and "
-    "awq (bits=4, version gemm)"
+    "int-quantized int8, float-quantized fp8, pack-quantized int4 / int8), gptq (bits=4), "
+    "awq (bits=4, version gemm) and mxfp4 (GPT-OSS experts)"
 )
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -34,6 +34,12 @@ class CheckpointQuantization(ABC):
 
     method: str
     bits: int  # the widest stored weight: what `--quantization auto` keeps (precision_class)
+
+    @property
+    def auto_class(self) -> str | None:
+        """The precision class `--quantization auto` runs the model in: "int4" / "int8" from the
+        widest stored weight (as for a GGUF), None to keep it as loaded."""
+        return "int4" if self.bits <= 4 else "int8"
 
     @abstractmethod
     def describe(self) -> str:
