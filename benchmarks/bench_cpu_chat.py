@@ -1,6 +1,6 @@
 """Chat on a CPU: genserve's default server against llama.cpp's native server on the same GGUF.
 
-    /work/paused.sh python benchmarks/bench_cpu_chat.py --tokens 128 --rounds 3   # figures
+    python benchmarks/bench_cpu_chat.py --tokens 128 --rounds 3   # figures (run it alone)
     python benchmarks/bench_cpu_chat.py --smoke      # tiny run: checks the script, not speed
 
 Sides (each given the same number of CPU threads, `--threads`, default 2):
