@@ -263,7 +263,7 @@ def step_memory_plan(ctx: Context) -> list[dict]:
         MemoryPlanError,
         plan_memory,
     )
-    from genserve.srt.model_runner import device_memory
+    from genserve.srt.device import device_memory
 
     ctx.require_device()
     counts = {"llama3_8b": llama_8b_parameters(ctx), **flux_component_parameters()}

@@ -25,20 +25,9 @@ import torch
 
 from genserve.multimodal_gen.messages import IMAGE_INPUT_TASKS, DiffusionRequest, StepCacheConfig
 from genserve.multimodal_gen.validation import MAX_OUTPUTS, resolve_request
+from genserve.srt.device import device_memory
 
 logger = logging.getLogger("genserve.diffusion.memory")
-
-
-def device_numbers(device: torch.device) -> dict[str, Any]:
-    """{device, total_bytes, free_bytes}, named as the LLM runtime names it."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return {"device": f"cuda:{index}", "total_bytes": torch.cuda.mem_get_info(index)[1],
-                "free_bytes": None}
-    import psutil
-
-    vm = psutil.virtual_memory()
-    return {"device": "cpu", "total_bytes": vm.total, "free_bytes": vm.available}
 
 
 def _module_bytes(module: torch.nn.Module, on_host: bool) -> int:
@@ -118,7 +107,7 @@ def memory_report(models: dict[str, Any], max_batch_size: int,
     first = next(iter(models.values()))
     device = first.device
     on_host = device.type != "cuda"
-    report = {**device_numbers(device), "models": []}
+    report = {**device_memory(device), "models": []}
     for model in models.values():
         weights, offloadable = resident_bytes(model, on_host)
         spec = model.spec

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
-from genserve.srt.device import resolve_device, resolve_dtype
+from genserve.srt.device import device_memory, resolve_device, resolve_dtype
 from genserve.srt.distributed import TPGroup
 from genserve.srt.forward_batch import ForwardBatch, ForwardMode
 from genserve.srt.layers.attention.base import AttentionBackend
@@ -41,18 +41,6 @@ _MAX_AUTO_TOKENS = 1 << 20
 # activations and the KV pool take together on CUDA (SGLang's static memory fraction).
 CPU_MEM_FRACTION = 0.1
 CUDA_MEM_FRACTION = 0.85
-
-
-def device_memory(device: torch.device) -> dict:
-    """{device, total_bytes, free_bytes} for the memory plan: a CUDA device by its index and
-    total (free memory there moves with other processes' loads: not reported); the host by
-    its total and available memory."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return {"device": f"cuda:{index}", "total_bytes": torch.cuda.mem_get_info(index)[1],
-                "free_bytes": None}
-    vm = psutil.virtual_memory()
-    return {"device": "cpu", "total_bytes": vm.total, "free_bytes": vm.available}
 
 
 def _tensor_bytes(tensors) -> int:
