@@ -256,6 +256,7 @@ def step_memory_plan(ctx: Context) -> list[dict]:
     import torch
 
     from genserve import Engine
+    from genserve.device_memory import device_memory
     from genserve.memory_plan import (
         DeviceMemory,
         DiffusionDemand,
@@ -263,7 +264,6 @@ def step_memory_plan(ctx: Context) -> list[dict]:
         MemoryPlanError,
         plan_memory,
     )
-    from genserve.srt.device import device_memory
 
     ctx.require_device()
     counts = {"llama3_8b": llama_8b_parameters(ctx), **flux_component_parameters()}

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
+from genserve.device_memory import device_memory
 from genserve.multimodal_gen.messages import IMAGE_INPUT_TASKS, DiffusionRequest, StepCacheConfig
 from genserve.multimodal_gen.validation import MAX_OUTPUTS, resolve_request
-from genserve.srt.device import device_memory
 
 logger = logging.getLogger("genserve.diffusion.memory")
 

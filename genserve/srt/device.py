@@ -1,4 +1,4 @@
-"""Which device and dtype the runtimes compute in, and how much memory that device has."""
+"""Which device and dtype the LLM runtime computes in."""
 
 from __future__ import annotations
 
@@ -31,17 +31,3 @@ def resolve_device(device: str) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
     return torch.device(device)
-
-
-def device_memory(device: torch.device) -> dict:
-    """{device, total_bytes, free_bytes} for the memory plan: a CUDA device by its index and
-    total (free memory there moves with other processes' loads: not reported); the host by
-    its total and available memory."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return {"device": f"cuda:{index}", "total_bytes": torch.cuda.mem_get_info(index)[1],
-                "free_bytes": None}
-    import psutil
-
-    vm = psutil.virtual_memory()
-    return {"device": "cpu", "total_bytes": vm.total, "free_bytes": vm.available}

@@ -257,7 +257,7 @@ class EncoderRuntime:
 
     def memory_report(self) -> dict:
         """The memory plan's view of this runtime: its weights and no KV pool."""
-        from genserve.srt.device import device_memory
+        from genserve.device_memory import device_memory
 
         module = self.scheduler.model.model
         weights = sum(t.numel() * t.element_size()

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
-from genserve.srt.device import device_memory, resolve_device, resolve_dtype
+from genserve.device_memory import device_memory
+from genserve.srt.device import resolve_device, resolve_dtype
 from genserve.srt.distributed import TPGroup
 from genserve.srt.forward_batch import ForwardBatch, ForwardMode
 from genserve.srt.layers.attention.base import AttentionBackend
