@@ -68,7 +68,10 @@ def test_text_to_image_session_previews_each_step_then_one_final(live):
     assert started["type"] == "started", out.messages
     assert started["task"] == "text-to-image" and started["images"] == 0
     assert out.order[-1] == "json:done", out.messages[-3:]
-    assert [h.step for h, _ in out.previews] == [1, 2, 3]
+    # The sender drops a pending preview that a newer one overtakes (a slow client gets fresher
+    # ones), never the newest: those sent arrive in step order and the last step always comes.
+    steps = [h.step for h, _ in out.previews]
+    assert steps == sorted(set(steps)) and set(steps) <= {1, 2, 3} and steps[-1] == 3, steps
     assert len(out.finals) == 1 and out.finals[0][1].shape == (32, 32, 3)
 
 
