@@ -32,6 +32,8 @@ from genserve.srt.models.registry import (
 from genserve.srt.named_models import EMBEDDED, row_for_path
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from genserve.srt.layers.prequantized import CheckpointQuantization, QuantizedWeight
     from genserve.srt.models.base import CausalLM, WeightLoader
 
@@ -355,7 +357,8 @@ def _read_exact(f: io.FileIO, start: int, out: torch.Tensor) -> None:
         done += n
 
 
-def load_checkpoint(model: CausalLM, folder: Path) -> None:
+def load_checkpoint(model: CausalLM, folder: Path,
+                    on_linear_loaded: Callable[[str], None] | None = None) -> None:
     """Stream every safetensors tensor into the model's parameters.
 
     A tensor whose dtype and device already match its destination is read from the file
@@ -364,11 +367,14 @@ def load_checkpoint(model: CausalLM, folder: Path) -> None:
     peak is the model plus the largest tensor. A pre-quantized checkpoint (`quantization_config`,
     layers/prequantized/) is dequantized one linear weight at a time on the way in: the peak is
     the model plus one layer's stored tensors and its float32 weight.
+    on_linear_loaded: see `CausalLM.load_checkpoint` (the model's full-precision storage is
+    allocated but untouched until written, so a layer quantized as soon as it is whole keeps
+    the peak near the quantized model's size).
     """
     from genserve.srt.layers.prequantized import checkpoint_quantization
 
     scheme = checkpoint_quantization(model.config.hf)
-    loader = model.weight_loader()
+    loader = model.weight_loader(on_linear_loaded)
     files = [(path, read_safetensors_header(path)) for path in safetensors_files(folder)]
     quantized, skipped = [], set()
     if scheme is not None:
@@ -379,6 +385,7 @@ def load_checkpoint(model: CausalLM, folder: Path) -> None:
             for e in entries:
                 if e.name not in skipped:
                     _load_tensor(loader, f, e)
+                    loader.written(e.name)
     if quantized:
         _load_dequantized(loader, scheme, quantized, files)
     loader.finish()
@@ -444,6 +451,7 @@ def _load_dequantized(loader: WeightLoader, scheme: CheckpointQuantization,
                 with torch.no_grad():
                     dst.copy_(take_part(weight, part))
             del weight
+            loader.written(qw.name)
     finally:
         for handle in handles.values():
             handle.close()

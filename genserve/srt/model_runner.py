@@ -22,7 +22,13 @@ from genserve.srt.forward_batch import ForwardBatch, ForwardMode
 from genserve.srt.layers.attention.base import AttentionBackend
 from genserve.srt.layers.parallel import check_tp_experts, check_tp_size, split_heads
 from genserve.srt.layers.prequantized import checkpoint_quantization
-from genserve.srt.layers.quantization import choose_quantization, quantize_model
+from genserve.srt.layers.quantization import (
+    QuantizationChoice,
+    WeightOnlyLinear,
+    choose_quantization,
+    quantize_linear,
+    quantize_model,
+)
 from genserve.srt.lora import LoRAManager
 from genserve.srt.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from genserve.srt.model_config import ModelConfig
@@ -57,24 +63,34 @@ def load_model(
     tp: TPGroup | None = None,
     pooled: bool = False,
     load_format: str = "auto",
+    quantization: Callable[[CausalLM], str] | None = None,
 ) -> CausalLM:
     """Build the family's model on the meta device, give it empty storage in `dtype` on
     `device`, and stream the checkpoint into it: no weight ever exists in another dtype.
     With a tensor-parallel group of size > 1 the model holds this rank's share.
     Text and vision-language models load the same way; `pooled` loads the family's embedder
     (`models/embedding.py`). load_format "dummy" fills the weights with random values instead
-    of reading a checkpoint."""
+    of reading a checkpoint.
+    quantization: given the (meta) model, its weight-only mode. Where the family streams its
+    checkpoint, each linear layer is quantized as soon as its weight is whole: the storage of
+    the full-precision model is allocated but its pages are touched, then freed, one layer at
+    a time. The rest (a tied lm_head, state-dict families) is quantized after loading."""
     model_cls = get_model_class(config.architecture, pooled=pooled)
     with torch.device("meta"):
         model = model_cls(config, kernels, tp) if tp is not None and tp.size > 1 else (
             model_cls(config, kernels))
+    mode = quantization(model) if quantization is not None else "none"
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own copy of a shared parameter
     model.rebuild_buffers(device)  # buffers (the rotary tables) were meta: compute them
     if load_format == "dummy":
         init_dummy_weights(model)
+    elif mode != "none" and type(model).load_checkpoint is CausalLM.load_checkpoint:
+        model.load_checkpoint(folder, on_linear_loaded=functools.partial(
+            quantize_linear, model, mode=mode))
     else:
         model.load_checkpoint(folder)
+    quantize_model(model, mode)
     return model.eval()
 
 
@@ -205,14 +221,17 @@ class ModelRunner:
         # when unsupported); its weights are dequantized into `dtype` while loading.
         fmt = checkpoint_quantization(config.hf)
         self.checkpoint_quantization = None if fmt is None else fmt.describe()
+        choice: list[QuantizationChoice | None] = []
         self.model = load_model(config, folder, self.device, self.dtype, self.kernels, self.tp,
-                                pooled=pooling is not None, load_format=args.load_format)
-        # Multi-LoRA: the adapter pool (None, and why, where adapters are not served). Its
-        # layer geometry is read before quantization replaces the linear layers.
+                                pooled=pooling is not None, load_format=args.load_format,
+                                quantization=lambda model: self._quantization_mode(
+                                    model, args.quantization, source_precision, choice))
+        # Multi-LoRA: the adapter pool (None, and why, where adapters are not served). It
+        # reads the geometry of full-precision and quantized linear layers alike.
         self.lora_refusal = self._lora_refusal(args, pooling)
         self.lora = None if self.lora_refusal else LoRAManager(
             self.model, args.lora_slots(), self.device, self.dtype)
-        self.quantization = self._quantize(args.quantization, source_precision)
+        self.quantization = self._log_quantization(args.quantization, choice[0])
         if backend == "triton":
             unsupported = [
                 i.layer_id
@@ -266,28 +285,33 @@ class ModelRunner:
             raise ValueError(f"--lora-paths: {why}")
         return why
 
-    def _quantize(self, requested: str, source_precision: str | None) -> str:
-        """Apply weight-only quantization; returns the mode the model runs in."""
-        if requested == "none":
+    def _quantization_mode(self, model: CausalLM, requested: str,
+                           source_precision: str | None,
+                           out: list[QuantizationChoice | None]) -> str:
+        """The weight-only mode `model` runs in (its layers are quantized while it loads);
+        the choice and its reason are appended to `out` (None: not quantized)."""
+        choice = None
+        if requested != "none" and self.tp.size == 1:
+            # (with --tp > 1 the parallel layers run full-precision weights only; EngineArgs
+            # refuses the explicit modes there)
+            if model.supports_quantization:
+                choice = choose_quantization(requested, source_precision, model, self.device)
+            elif requested != "auto":
+                raise ValueError(
+                    f"--quantization {requested} is not supported for "
+                    f"{self.config.architecture}; use --quantization none"
+                )
+        out.append(choice)
+        return "none" if choice is None else choice.mode
+
+    def _log_quantization(self, requested: str, choice: QuantizationChoice | None) -> str:
+        """Log the mode the loaded model runs in and how many weights it quantized."""
+        if choice is None or choice.mode == "none":
             return "none"
-        if self.tp.size > 1:  # auto: the parallel layers run full-precision weights only
-            return "none"  # (EngineArgs refuses the explicit modes with --tp > 1)
-        if not self.model.supports_quantization:
-            if requested == "auto":
-                return "none"
-            raise ValueError(
-                f"--quantization {requested} is not supported for {self.config.architecture}; "
-                "use --quantization none"
-            )
-        choice = choose_quantization(requested, source_precision, self.model, self.device)
-        n = quantize_model(self.model, choice.mode)
-        logger.info(
-            "quantization %s (%s): %s%d M weights",
-            choice.mode,
-            choice.reason,
-            f"requested {requested}, " if requested != choice.mode else "",
-            n // 10**6,
-        )
+        n = sum(m.in_features * m.out_features for m in self.model.modules()
+                if isinstance(m, WeightOnlyLinear))
+        logger.info("quantization %s (%s): %s%d M weights", choice.mode, choice.reason,
+                    f"requested {requested}, " if requested != choice.mode else "", n // 10**6)
         return choice.mode
 
     def _want_compile(self, requested: bool | None) -> bool:

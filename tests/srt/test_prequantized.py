@@ -321,3 +321,66 @@ def test_auto_runs_a_prequantized_checkpoint_as_int8wo_like_a_gguf(case, precisi
         assert len(out["output_ids"]) == 4
     finally:
         engine.shutdown()
+
+
+
+def _load(folder: Path, **kwargs):
+    from genserve.srt.model_config import ModelConfig
+    from genserve.srt.model_runner import load_model
+    from genserve.srt.models.base import ModelKernels
+
+    cfg = ModelConfig.from_folder(folder)
+    return load_model(cfg, folder, torch.device("cpu"), torch.float32, ModelKernels(), **kwargs)
+
+
+@pytest.mark.parametrize("case", ["fp8-block", "gptq", None])
+def test_each_linear_layer_is_reported_once_as_soon_as_it_is_whole(case, plain, tmp_path):
+    """`on_linear_loaded` (where the runner quantizes a layer while loading) names every linear
+    layer once, when its whole weight (every fused shard) is in: the weight it sees then is the
+    loaded model's. Pre-quantized layers (rebuilt from their groups) and plain ones alike."""
+    if case is None:
+        folder = plain("qwen3")
+    else:
+        arch, quantize, qconfig, _ = CASES[case]
+        folder, _ = pc.write_pair(plain(arch), tmp_path, qconfig, quantize, dense=False)
+    whole = _load(folder)
+    model = _load(folder, load_format="dummy")
+    for p in model.parameters():
+        p.data.zero_()  # nothing loaded yet: a layer reported early would not match
+    seen: list[str] = []
+
+    def on_linear_loaded(name: str) -> None:
+        seen.append(name)
+        torch.testing.assert_close(model.get_submodule(name).weight,
+                                   whole.get_submodule(name).weight, rtol=0, atol=0)
+
+    model.load_checkpoint(folder, on_linear_loaded=on_linear_loaded)
+    tied = model.config.hf.get("tie_word_embeddings", False)
+    linears = [n for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and not (tied and n == "lm_head")]
+    assert sorted(seen) == sorted(linears)
+    assert any(".qkv_proj" in n for n in seen) and any(".gate_up_proj" in n for n in seen)
+
+
+@pytest.mark.parametrize("mode", ["int8wo", "int4wo"])
+def test_quantizing_while_loading_equals_quantizing_after(mode, plain, tmp_path):
+    """Each layer quantized as soon as it is loaded (its full-precision weight freed) holds the
+    same integers and scales as the whole model quantized after loading, and no decoder
+    linear layer is left in full precision."""
+    from genserve.srt.layers.quantization import quantize_model
+
+    arch, quantize, qconfig, _ = CASES["fp8-block"]
+    folder, _ = pc.write_pair(plain(arch), tmp_path, qconfig, quantize, dense=False)
+    streamed = _load(folder, quantization=lambda model: mode)
+    after = _load(folder)
+    quantize_model(after, mode)
+    assert not [n for n, m in streamed.named_modules()
+                if isinstance(m, torch.nn.Linear) and ".layers." in n]
+    want = dict(after.state_dict())
+    got = dict(streamed.state_dict())
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        a, b = got[name], tensor
+        if type(b) is not torch.Tensor:  # torchao's int4 tensor: compare its packed data
+            a, b = a.qdata, b.qdata
+        assert torch.equal(a, b), name

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 # int4 group sizes tried from the smallest (most exact; a Q4 GGUF's own groups are 32 wide).
 _INT4_GROUP_SIZES = (32, 64, 128)
+_INT8_ROWS_PER_CHUNK = 2048
 
 
 @dataclass(frozen=True)
@@ -74,13 +75,20 @@ class WeightOnlyLinear(nn.Module):
         self.out_features = linear.out_features
         self.act_dtype = _act_dtype(weight)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), False)
+        # A fused layer's shard layout (LoRA reads it, whichever form the layer is in).
+        self.shard_offsets = dict(getattr(linear, "shard_offsets", None) or {})
         if mode == "int8wo":
             from torchao.quantization import PerRow
             from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
 
-            q = Int8Tensor.from_hp(weight.float(), granularity=PerRow())
-            self.register_buffer("qweight", q.qdata.contiguous())  # [out, in] int8
-            self.register_buffer("scale", q.scale.reshape(-1).to(self.act_dtype))  # [out]
+            # Rows quantize independently (one scale each): a few at a time bound the float32
+            # copy (a large vocabulary's lm_head would otherwise double the loading peak).
+            chunks = [Int8Tensor.from_hp(rows.float(), granularity=PerRow())
+                      for rows in weight.split(_INT8_ROWS_PER_CHUNK)]
+            qdata = torch.cat([q.qdata for q in chunks])
+            scale = torch.cat([q.scale.reshape(-1) for q in chunks])
+            self.register_buffer("qweight", qdata.contiguous())  # [out, in] int8
+            self.register_buffer("scale", scale.to(self.act_dtype))  # [out]
             return
         if mode != "int4wo":
             raise ValueError(f"WeightOnlyLinear mode must be int8wo or int4wo, got {mode!r}")
@@ -171,23 +179,30 @@ def check_supported(mode: str, model: nn.Module, device: torch.device) -> None:
             )
 
 
+def quantize_linear(model: nn.Module, name: str, mode: str) -> int:
+    """Replace the linear layer `name` by its weight-only quantized form (in place); returns
+    the number of weights quantized (0 when `name` is not a plain linear layer any more)."""
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    linear = getattr(parent, attr)
+    if not isinstance(linear, nn.Linear):
+        return 0
+    # The output projection keeps 8 bits under int4wo (as GGUF files store it in Q6/Q8):
+    # in 4 bits it moved SmolLM2's greedy tokens far more than all the other layers did.
+    layer_mode = "int8wo" if mode == "int4wo" and name == "lm_head" else mode
+    setattr(parent, attr, WeightOnlyLinear(linear, layer_mode))
+    return linear.weight.numel()
+
+
 def quantize_model(model: nn.Module, mode: str) -> int:
     """Replace the model's linear layers by weight-only quantized ones (in place). A lm_head
     tied to the input embedding gets its own quantized copy (int8 under int4wo too); the
-    embedding keeps its dtype (a lookup reads one row per token). Returns the number of
-    weights quantized."""
+    embedding keeps its dtype (a lookup reads one row per token). Layers already quantized
+    (by the loader, layer by layer) are left as they are. Returns the number of weights
+    quantized."""
     if mode == "none":
         return 0
-    count = 0
-    for name, linear in quantizable_linears(model):
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        # The output projection keeps 8 bits under int4wo (as GGUF files store it in Q6/Q8):
-        # in 4 bits it moved SmolLM2's greedy tokens far more than all the other layers did.
-        layer_mode = "int8wo" if mode == "int4wo" and name == "lm_head" else mode
-        setattr(parent, attr, WeightOnlyLinear(linear, layer_mode))
-        count += linear.weight.numel()
-    return count
+    return sum(quantize_linear(model, name, mode) for name, _ in quantizable_linears(model))
 
 
 def choose_quantization(

@@ -45,11 +45,15 @@ class LinearGeometry:
 
 
 def linear_geometry(model: nn.Module) -> dict[str, LinearGeometry]:
-    """The adaptable linear layers of a decoder: every nn.Linear inside its layers (not the
-    embedding or lm_head; MoE experts are fused 3-D weights, not linears)."""
+    """The adaptable linear layers of a decoder: every linear inside its layers, full-precision
+    or weight-only quantized (not the embedding or lm_head; MoE experts are fused 3-D weights,
+    not linears)."""
+    from genserve.srt.layers.quantization import WeightOnlyLinear
+
     table = {}
     for name, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear) or ".layers." not in f".{name}":
+        if (not isinstance(mod, (nn.Linear, WeightOnlyLinear))
+                or ".layers." not in f".{name}"):
             continue
         offsets = getattr(mod, "shard_offsets", None) or {}
         shards = tuple((s, off, size) for s, (off, size) in offsets.items())

@@ -11,8 +11,10 @@ A family is an `nn.Module` subclass of `CausalLM` that
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -161,11 +163,14 @@ class CausalLM(nn.Module, ABC):
             if callable(rebuild):
                 rebuild(device)
 
-    def load_checkpoint(self, folder: Path) -> None:
-        """Fill the parameters from the folder's safetensors (streamed, tensor by tensor)."""
+    def load_checkpoint(self, folder: Path,
+                        on_linear_loaded: Callable[[str], None] | None = None) -> None:
+        """Fill the parameters from the folder's safetensors (streamed, tensor by tensor).
+        on_linear_loaded: called with a linear layer's module name as soon as its whole weight
+        is written (the runner quantizes it there, so full-precision weights never pile up)."""
         from genserve.srt.model_loader import load_checkpoint
 
-        load_checkpoint(self, folder)
+        load_checkpoint(self, folder, on_linear_loaded)
 
     def attention_layers(self) -> list[AttentionLayerInfo]:
         """What each attention layer asks of the backend (window, soft-cap, sizes)."""
@@ -184,8 +189,9 @@ class CausalLM(nn.Module, ABC):
                 return name.replace(part, fused), shard
         return name, None
 
-    def weight_loader(self) -> WeightLoader:
-        return WeightLoader(self)
+    def weight_loader(self, on_linear_loaded: Callable[[str], None] | None = None
+                      ) -> WeightLoader:
+        return WeightLoader(self, on_linear_loaded)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the parameters (in their dtype and device)."""
@@ -202,11 +208,39 @@ class CausalLM(nn.Module, ABC):
 class WeightLoader:
     """Resolves checkpoint names to parameter views and checks that every one was written."""
 
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(self, model: CausalLM,
+                 on_linear_loaded: Callable[[str], None] | None = None) -> None:
         self.model = model
         self.params = dict(model.named_parameters())
         self.modules = dict(model.named_modules())
         self.loaded: set[tuple[str, Any]] = set()
+        self.on_linear_loaded = on_linear_loaded
+        # The weights `on_linear_loaded` waits for: each linear layer's own (not tied) weight,
+        # with the checkpoint keys (one per fused shard) that complete it.
+        self._pending_linears: dict[str, set[tuple[str, Any]]] = {}
+        if on_linear_loaded is not None:
+            for key in self.expected():
+                module_name, _, leaf = key[0].rpartition(".")
+                if leaf == "weight" and isinstance(self.modules.get(module_name), nn.Linear):
+                    self._pending_linears.setdefault(key[0], set()).add(key)
+
+    def written(self, hf_name: str) -> None:
+        """After `hf_name`'s tensor was copied in: tell `on_linear_loaded` of a linear layer
+        whose weight is now whole."""
+        mapped = self.model.map_weight_name(hf_name) if self._pending_linears else None
+        if mapped is None or mapped[0] not in self._pending_linears:
+            return
+        name = mapped[0]
+        if self._pending_linears[name] <= self.loaded:
+            del self._pending_linears[name]
+            module_name = name.rpartition(".")[0]
+            self.on_linear_loaded(module_name)
+            if self.model.get_submodule(module_name) is not self.modules[module_name]:
+                # Replaced: free the full-precision weight, which this loader's tables still
+                # reach (a later tensor of that module, a bias shard, may still be routed).
+                param = self.params[name]
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                _return_free_heap()
 
     def destination(
         self, hf_name: str, shape: tuple[int, ...]
@@ -257,7 +291,8 @@ class WeightLoader:
     def expected(self) -> set[tuple[str, Any]]:
         keys: set[tuple[str, Any]] = set()
         seen: set[int] = set()
-        for name, param in self.model.named_parameters():  # tied parameters are listed once
+        # The parameters as loading began (layers quantized while loading hold others since).
+        for name, param in self.params.items():  # tied parameters are listed once
             if id(param) in seen:
                 continue
             seen.add(id(param))
@@ -275,3 +310,21 @@ class WeightLoader:
         if missing:
             names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
             raise ValueError(f"checkpoint is missing weights: {names[:8]}")
+
+
+_LIBC: Any = None
+
+
+def _return_free_heap() -> None:
+    """Give glibc's free heap pages back to the kernel (`malloc_trim`): a weight freed in the
+    middle of the heap otherwise stays resident, and the full-precision layers freed while
+    loading would add up to the whole model. A no-op off glibc."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else False
+            _LIBC.malloc_trim  # noqa: B018 (musl has no malloc_trim)
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
