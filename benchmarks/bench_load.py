@@ -1,17 +1,26 @@
-"""Peak host memory while loading a bf16 safetensors checkpoint, as a multiple of its size.
+"""Peak host memory while loading a checkpoint, as a multiple of its size.
 
-    python benchmarks/bench_load.py                 # ~0.52B-parameter Llama, bf16 (~1 GB)
+    python benchmarks/bench_load.py                 # ~0.52B-parameter Llama (~1 GB in bf16)
     python benchmarks/bench_load.py --smoke         # a few MB, to check the script runs
     python benchmarks/bench_load.py --json
 
-The checkpoint (random bf16 weights, Llama layout) is written once by a child process. Each
-measured load runs in a fresh child: it imports torch and genserve, records its resident set
-size (the baseline), loads, and reports its peak RSS (getrusage maxrss). Two loaders are
-measured side by side:
-- `genserve`: the serving path (`model_runner.load_model`): meta-device init in bf16, tensors
-  read from the file straight into the parameters;
-- `naive`: the path genserve used before the model registry: the model built in fp32, the
-  whole state dict loaded with `safetensors.torch.load_file`, copied in, then cast to bf16.
+Three checkpoints of the same random model (Llama layout) are written once by a child process:
+- `bf16`: plain bfloat16 weights;
+- `fp8`: the decoder's linear weights in float8_e4m3fn with 128x128 blocks of
+  `weight_scale_inv` (the DeepSeek / Qwen3-FP8 layout), the rest bf16;
+- `gptq`: the decoder's linear weights as 4-bit GPTQ (qweight / qzeros / scales / g_idx, group
+  128), the rest bf16. Its integers are random: only sizes matter here.
+Each measured load runs in a fresh child: it imports torch, genserve and torchao, records its
+resident set size (the baseline), loads, and reports its peak RSS (getrusage maxrss). Loaders:
+- `genserve` (bf16): the serving path (`model_runner.load_model`): meta-device init in bf16,
+  tensors read from the file straight into the parameters;
+- `naive` (bf16): the path genserve used before the model registry: the model built in fp32,
+  the whole state dict loaded with `safetensors.torch.load_file`, copied in, cast to bf16;
+- `genserve` (fp8, gptq): what `--quantization auto` does with them (int8 weights): each
+  linear layer dequantized and quantized as soon as it is loaded;
+- `genserve_int4wo` (gptq): the same with `--quantization int4wo` (4-bit weights, as stored);
+- `quantize_after` (fp8, gptq): the whole model dequantized into bf16 first, then quantized
+  (genserve's path before layer-by-layer quantization).
 """
 
 from __future__ import annotations
@@ -36,8 +45,8 @@ SIZES = {
         vocab_size=32000,
     ),
     "smoke": dict(
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=128,  # GPTQ's 128-wide groups need widths of 128
+        intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -99,17 +108,61 @@ def write_checkpoint(folder: Path, size: dict) -> int:
     return sum(t.numel() for t in weights.values())
 
 
+def write_quantized(plain: Path, out: Path, fmt: str) -> None:
+    """`out`: the plain checkpoint with its decoder linear weights stored in `fmt`."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(plain / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    stored: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        if ".layers." not in name or not name.endswith("_proj.weight"):
+            stored[name] = w
+            continue
+        module, (rows, cols) = name.removesuffix(".weight"), w.shape
+        if fmt == "fp8":
+            stored[name] = (w.float() * 100).to(torch.float8_e4m3fn)
+            grid = (-(-rows // 128), -(-cols // 128))
+            stored[module + ".weight_scale_inv"] = torch.full(grid, 0.01)
+        else:  # gptq, group 128: [in/8, out] words, [groups, out/8] zeros, [groups, out] scales
+            groups = cols // 128
+            stored[module + ".qweight"] = torch.randint(
+                -(2**31), 2**31 - 1, (cols // 8, rows), generator=g, dtype=torch.int32)
+            stored[module + ".qzeros"] = torch.full((groups, rows // 8), 0x77777777,
+                                                    dtype=torch.int32)
+            stored[module + ".scales"] = torch.full((groups, rows), 0.002, dtype=torch.float16)
+            stored[module + ".g_idx"] = (torch.arange(cols) // 128).to(torch.int32)
+    del weights
+    qc = ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+          if fmt == "fp8" else
+          {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True})
+    cfg = json.loads((plain / "config.json").read_text())
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
 def measure(folder: Path, loader: str) -> dict:
     import torch
+    import torchao  # noqa: F401 (imported by any quantized load: part of the baseline)
 
+    from genserve.srt.layers.quantization import quantize_model
     from genserve.srt.model_config import ModelConfig
     from genserve.srt.model_runner import load_model
     from genserve.srt.models.base import ModelKernels
 
     cfg = ModelConfig.from_folder(folder)
+    quantized = "quantization_config" in cfg.hf
     baseline = _rss_bytes()
-    if loader == "genserve":
-        load_model(cfg, folder, torch.device("cpu"), torch.bfloat16, ModelKernels())
+    if loader in ("genserve", "genserve_int4wo"):
+        wo = "int4wo" if loader == "genserve_int4wo" else "int8wo"
+        mode = (lambda model: wo) if quantized else None
+        load_model(cfg, folder, torch.device("cpu"), torch.bfloat16, ModelKernels(),
+                   quantization=mode)
+    elif loader == "quantize_after":
+        model = load_model(cfg, folder, torch.device("cpu"), torch.bfloat16, ModelKernels())
+        quantize_model(model, "int8wo")
     else:
         from genserve.srt.model_loader import load_state_dict
         from genserve.srt.models.registry import get_model_class
@@ -127,7 +180,13 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--measure", nargs=2, metavar=("FOLDER", "LOADER"), help=argparse.SUPPRESS)
     ap.add_argument("--write", metavar="FOLDER", help=argparse.SUPPRESS)
+    ap.add_argument("--write-quantized", nargs=2, metavar=("PLAIN", "FORMAT"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.write_quantized:
+        plain = Path(args.write_quantized[0])
+        write_quantized(plain, plain.parent / args.write_quantized[1], args.write_quantized[1])
+        return
     if args.measure:
         print(json.dumps(measure(Path(args.measure[0]), args.measure[1])))
         return
@@ -136,27 +195,41 @@ def main() -> None:
         print(write_checkpoint(Path(args.write), size))
         return
     here = [sys.executable, os.path.abspath(__file__)] + (["--smoke"] if args.smoke else [])
+    runs = {"bf16": ("genserve", "naive"), "fp8": ("genserve", "quantize_after"),
+            "gptq": ("genserve", "genserve_int4wo", "quantize_after")}
+    results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        params = int(subprocess.check_output(here + ["--write", tmp]))
-        ckpt = (Path(tmp) / "model.safetensors").stat().st_size
-        results = {"parameters": params, "checkpoint_bytes": ckpt}
-        for loader in ("genserve", "naive"):
-            out = subprocess.check_output(here + ["--measure", tmp, loader])
-            r = json.loads(out)
-            r["peak_over_checkpoint"] = round(r["peak_rss"] / ckpt, 3)
-            r["load_delta_over_checkpoint"] = round((r["peak_rss"] - r["baseline_rss"]) / ckpt, 3)
-            results[loader] = r
+        plain = Path(tmp) / "bf16"
+        plain.mkdir()
+        results["parameters"] = int(subprocess.check_output(here + ["--write", str(plain)]))
+        for fmt in ("fp8", "gptq"):
+            subprocess.check_call(here + ["--write-quantized", str(plain), fmt])
+        for fmt, loaders in runs.items():
+            folder = Path(tmp) / fmt
+            ckpt = (folder / "model.safetensors").stat().st_size
+            results[fmt] = {"checkpoint_bytes": ckpt}
+            for loader in loaders:
+                r = json.loads(subprocess.check_output(here + ["--measure", str(folder), loader]))
+                r["peak_over_checkpoint"] = round(r["peak_rss"] / ckpt, 3)
+                r["load_delta_over_checkpoint"] = round(
+                    (r["peak_rss"] - r["baseline_rss"]) / ckpt, 3)
+                results[fmt][loader] = r
+    # The bf16 figures also at the top level, as before the quantized checkpoints were added.
+    results.update({k: results["bf16"][k] for k in ("checkpoint_bytes", "genserve", "naive")})
     if args.json:
         print(json.dumps(results))
         return
-    print(f"checkpoint: {params / 1e9:.3f}B parameters, {ckpt / 2**20:.0f} MiB (bf16)")
-    for loader in ("genserve", "naive"):
-        r = results[loader]
-        print(
-            f"{loader:9s} baseline {r['baseline_rss'] / 2**20:6.0f} MiB  peak "
-            f"{r['peak_rss'] / 2**20:6.0f} MiB  peak/ckpt {r['peak_over_checkpoint']:.2f}  "
-            f"(peak - baseline)/ckpt {r['load_delta_over_checkpoint']:.2f}"
-        )
+    print(f"model: {results['parameters'] / 1e9:.3f}B parameters")
+    for fmt, loaders in runs.items():
+        ckpt = results[fmt]["checkpoint_bytes"]
+        for loader in loaders:
+            r = results[fmt][loader]
+            print(
+                f"{fmt:5s} {ckpt / 2**20:5.0f} MiB {loader:15s} baseline "
+                f"{r['baseline_rss'] / 2**20:6.0f} MiB  peak {r['peak_rss'] / 2**20:6.0f} MiB  "
+                f"peak/ckpt {r['peak_over_checkpoint']:.2f}  "
+                f"(peak - baseline)/ckpt {r['load_delta_over_checkpoint']:.2f}"
+            )
 
 
 if __name__ == "__main__":
