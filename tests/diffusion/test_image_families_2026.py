@@ -174,6 +174,44 @@ def test_z_image_negative_prompt_and_no_guidance():
     assert not np.array_equal(run(0.0), run(3.0))
 
 
+def test_z_image_image_to_image_equals_diffusers():
+    """Image-to-image runs `ZImageImg2ImgPipeline` on the model's components: the pixels are
+    that pipeline's, and another input picture gives another output."""
+    import dataclasses
+    import io
+
+    from PIL import Image
+
+    model = load_model("tiny-z-image")
+    assert model.spec.supports_image_to_image
+    ref = diffusers.ZImageImg2ImgPipeline(**build_embedded("tiny-z-image", shared=False).components)
+    ref.set_progress_bar_config(disable=True)
+
+    def run(color):
+        image = Image.new("RGB", (SIZE, SIZE), color)
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        req = _request("i", "a red cat", 1, 2.0, steps=4)
+        got = model.generate([dataclasses.replace(req, init_image=buf.getvalue(), strength=0.5)])
+        with torch.inference_mode():
+            want = ref(
+                prompt=["a red cat"],
+                image=[image],
+                strength=0.5,
+                num_inference_steps=4,
+                guidance_scale=2.0,
+                height=SIZE,
+                width=SIZE,
+                output_type="np",
+                generator=[torch.Generator().manual_seed(1)],
+            ).images
+        _assert_close(got.frames[0], np.asarray(want))
+        assert got.total_steps == 2  # only the re-noised half of the schedule runs
+        return got.frames[0]
+
+    assert not np.array_equal(run((255, 0, 0)), run((0, 0, 255)))
+
+
 def test_worker_serves_z_image_like_diffusers():
     """End to end through the worker process (batcher, resolve, events): the pixels of two
     outputs of one request are diffusers' for the same seeds."""

@@ -1,5 +1,5 @@
-"""Z-Image (text-to-image): diffusers `ZImagePipeline` (Z-Image and Z-Image-Turbo, a Qwen3 text
-encoder).
+"""Z-Image (text-to-image, image-to-image): diffusers `ZImagePipeline` (Z-Image and
+Z-Image-Turbo, a Qwen3 text encoder) and `ZImageImg2ImgPipeline` on the same components.
 
 Latents are [B, C, h, w] at 1/8 resolution, patched 2x2 inside the transformer, so sizes are
 multiples of 16; the VAE is FLUX.1's (scaling and shift factors). Guidance is true classifier-
@@ -24,6 +24,7 @@ class ZImageFamily(DiffusionFamily):
     family = "z-image"
     task = TEXT_TO_IMAGE
     pipeline_classes = ("ZImagePipeline",)
+    img2img_class = "ZImageImg2ImgPipeline"
     # Z-Image's recommended sampling; Z-Image-Turbo draws in 8-9 steps at guidance 0.
     spec_defaults = dict(
         size_factor=16,
