@@ -18,7 +18,12 @@ import pytest
 import torch
 
 from genserve.multimodal_gen.embedded import build_embedded
-from genserve.multimodal_gen.messages import DiffusionRequest, ResolvedRequest, StepCacheConfig
+from genserve.multimodal_gen.messages import (
+    DiffusionRequest,
+    ResolvedRequest,
+    StepCacheConfig,
+    StepDecision,
+)
 from genserve.multimodal_gen.pipelines import load_model
 
 SIZE = 32
@@ -151,6 +156,19 @@ def test_family_batches_caches_and_previews(name, family, guidance):
     assert not np.array_equal(cached.frames[0], plain.frames[0])
     again = model.generate([_request("p", "a red cat", 1, guidance, steps=8)])
     assert np.array_equal(again.frames[0], plain.frames[0]) and again.cached_steps == 0
+    # The last step's latents, as the step hook gets them, decode to the output's pixels.
+    last = {}
+
+    def on_step(step: int, total: int, tensors: dict) -> StepDecision:
+        if step == total:
+            last["preview"] = model.preview(tensors, plain_req, full_decode=True)
+        return StepDecision.CONTINUE
+
+    plain_req = _request("p", "a red cat", 1, guidance, steps=8)
+    hooked = model.generate([plain_req], on_step)
+    assert np.array_equal(hooked.frames[0], plain.frames[0])
+    diff = np.abs(last["preview"].astype(int) - hooked.frames[0].astype(int))
+    assert diff.max() <= 1
     # [1, C, 1, h, w]: FLUX.2's 2x2-patchified latents, Z-Image's at 1/8 resolution
     shape = (1, 16, 1, SIZE // 16, SIZE // 16) if family.startswith("flux2") else (1, 4, 1, 4, 4)
     latents = torch.zeros(shape)
