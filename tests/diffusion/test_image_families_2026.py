@@ -263,3 +263,17 @@ def test_worker_serves_z_image_like_diffusers():
     want = _reference(ref, (("a red cat", 7), ("a red cat", 8)), 3.0)
     for i in range(2):
         _assert_close(result.outputs[i], want[i])
+
+
+def test_klein_final_latents_come_back_exactly_in_bf16():
+    """Klein returns VAE-ready latents; genserve normalizes them back for its decode, which must
+    recover the pipeline's bf16 values bit for bit (a bf16 round trip would move them)."""
+    from genserve.multimodal_gen.pipelines import LoadOptions
+    from genserve.multimodal_gen.pipelines.flux2 import _bn_statistics
+
+    model = load_model("tiny-flux2-klein", LoadOptions(dtype="bfloat16"))
+    final = (torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    z = model.unpack_latents(final, _request("k", "x", 1, 1.0))[:, :, 0]
+    mean, std = _bn_statistics(model.pipe.vae, z)
+    back = model.pipe._unpatchify_latents(z * std + mean).to(torch.bfloat16)
+    assert torch.equal(back, final)

@@ -78,8 +78,9 @@ class Flux2KleinFamily(Flux2Family):
     def unpack_latents(self, latents: torch.Tensor, req: ResolvedRequest) -> torch.Tensor:
         if latents.ndim == 4:
             # The pipeline's final latents come back ready for the VAE ([B, C, h, w], statistics
-            # applied): patchify and normalize them again, the form its steps report.
-            z = self.pipe._patchify_latents(latents)
+            # applied): patchify and normalize them again, the form its steps report. In float32,
+            # so that decoding undoes it back to the same bf16 / fp16 values.
+            z = self.pipe._patchify_latents(latents.float())
             mean, std = _bn_statistics(self.pipe.vae, z)
             return ((z - mean) / std).unsqueeze(2)
         return super().unpack_latents(latents, req)
