@@ -83,6 +83,12 @@ ROWS = (
           dict(_TINY_HELIOS), "random-weight Helios, pyramid stages"),
     _tiny("tiny-helios-distilled", TEXT_TO_VIDEO, "helios_pyramid:HeliosPyramidFamily",
           dict(_TINY_HELIOS, default_steps=1), "random-weight Helios, distilled (DMD)"),
+    _tiny("tiny-flux2", TEXT_TO_IMAGE, "flux2:Flux2Family", dict(_TINY_IMAGE),
+          "random-weight FLUX.2 [dev]", _EMBEDDED + "_2026"),
+    _tiny("tiny-flux2-klein", TEXT_TO_IMAGE, "flux2:Flux2KleinFamily", dict(_TINY_IMAGE),
+          "random-weight FLUX.2 [klein] base", _EMBEDDED + "_2026"),
+    _tiny("tiny-z-image", TEXT_TO_IMAGE, "z_image:ZImageFamily", dict(_TINY_IMAGE),
+          "random-weight Z-Image", _EMBEDDED + "_2026"),
     # The streaming demo's architecture (a pixel-space Helios transformer) before training:
     # its weights are not trained to the model card's targets yet (docs/benchmarks.md).
     NamedModel("tiny-shapes-stream", "diffusion", TEXT_TO_VIDEO, "builder",

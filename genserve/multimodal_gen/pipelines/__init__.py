@@ -17,6 +17,7 @@ from pathlib import Path
 from genserve.multimodal_gen.named_models import DIFFUSION_MODELS
 from genserve.multimodal_gen.pipelines.base import DiffusionFamily
 from genserve.multimodal_gen.pipelines.flux import FluxFamily
+from genserve.multimodal_gen.pipelines.flux2 import Flux2Family, Flux2KleinFamily
 from genserve.multimodal_gen.pipelines.flux_edit import FluxFillFamily, FluxKontextFamily
 from genserve.multimodal_gen.pipelines.helios import HeliosFamily
 from genserve.multimodal_gen.pipelines.helios_pyramid import HeliosPyramidFamily
@@ -32,6 +33,7 @@ from genserve.multimodal_gen.pipelines.sd3 import SD3Family
 from genserve.multimodal_gen.pipelines.sdxl import StableDiffusionXLFamily
 from genserve.multimodal_gen.pipelines.wan import WanFamily
 from genserve.multimodal_gen.pipelines.wan_i2v import WanImageToVideoFamily
+from genserve.multimodal_gen.pipelines.z_image import ZImageFamily
 from genserve.named_models import NamedModel, locate, source_path
 
 # The families of diffusers' own pipeline classes. Families of pipeline classes a package
@@ -40,6 +42,7 @@ FAMILIES: tuple[type[DiffusionFamily], ...] = (
     FluxFamily, FluxKontextFamily, FluxFillFamily, SD3Family, StableDiffusionFamily,
     StableDiffusionXLFamily, QwenImageFamily, QwenImageEditFamily, WanFamily,
     WanImageToVideoFamily, LTXFamily, HeliosFamily, HeliosPyramidFamily,
+    Flux2Family, Flux2KleinFamily, ZImageFamily,
 )
 
 
