@@ -24,7 +24,12 @@ from genserve.srt.layers.parallel import check_tp_experts, check_tp_size, split_
 from genserve.srt.layers.prequantized import checkpoint_quantization
 from genserve.srt.layers.quantization import choose_quantization, quantize_model
 from genserve.srt.lora import LoRAManager
-from genserve.srt.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from genserve.srt.mem_cache import (
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+    create_kv_pool,
+    kv_bytes_per_token,
+)
 from genserve.srt.model_config import ModelConfig
 from genserve.srt.models.base import CausalLM, ModelKernels
 from genserve.srt.models.registry import get_model_class
@@ -213,6 +218,14 @@ class ModelRunner:
         self.lora = None if self.lora_refusal else LoRAManager(
             self.model, args.lora_slots(), self.device, self.dtype)
         self.quantization = self._quantize(args.quantization, source_precision)
+        # (kv_lora_rank, qk_rope_head_dim) of a latent-attention model (DeepSeek-V2/V3): its
+        # pool stores one compressed row per token instead of per-head K and V.
+        self.latent_kv = self.model.latent_kv_dims()
+        if backend == "triton" and self.latent_kv is not None:
+            raise ValueError(
+                f"{config.architecture} uses multi-head latent attention, which the triton "
+                "backend does not implement; use --attention-backend torch"
+            )
         if backend == "triton":
             unsupported = [
                 i.layer_id
@@ -232,12 +245,13 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             max(2 * args.max_running_requests, 16), context_length + 8, self.device
         )
-        self.token_to_kv_pool = MHATokenToKVPool(
+        self.token_to_kv_pool = create_kv_pool(
             self.max_total_tokens,
             self.dtype,
             config.num_hidden_layers,
             self.num_kv_heads,
             self.head_dim,
+            self.latent_kv,
             self.device,
         )
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
@@ -262,6 +276,8 @@ class ModelRunner:
             why = "an embedding model takes no adapters"
         elif self.config.multimodal:
             why = f"the vision-language model {self.config.architecture} takes no adapters yet"
+        elif self.model.latent_kv_dims() is not None:
+            why = f"{self.config.architecture}'s latent attention takes no adapters yet"
         if why is not None and args.lora_paths:
             raise ValueError(f"--lora-paths: {why}")
         return why
@@ -349,8 +365,10 @@ class ModelRunner:
         return functools.partial(compiled, self.model)
 
     def kv_bytes_per_token(self) -> int:
-        elt = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.config.num_hidden_layers * self.num_kv_heads * self.head_dim * elt
+        """What one token takes in this runner's KV pool, over every layer."""
+        cfg = self.config
+        layers, heads, head_dim = cfg.num_hidden_layers, self.num_kv_heads, self.head_dim
+        return kv_bytes_per_token(self.dtype, layers, heads, head_dim, self.latent_kv)
 
     def activation_bytes(self) -> int:
         """Upper estimate of one forward's transient memory: the widest per-token tensors of a
