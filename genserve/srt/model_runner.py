@@ -376,7 +376,9 @@ class ModelRunner:
         cfg = self.config
         elt = torch.tensor([], dtype=self.dtype).element_size()
         tokens = self.args.chunked_prefill_size + self.args.max_running_requests
-        qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        # Latent attention's queries and keys are latent rows (kv_lora_rank + rope) wide.
+        head_dim = self.head_dim if self.latent_kv is None else sum(self.latent_kv)
+        qkv = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         width = qkv + 3 * cfg.intermediate_size + 4 * cfg.hidden_size
         logits = self.args.max_running_requests * cfg.vocab_size * 4 * 3
         return tokens * width * elt + logits

@@ -51,9 +51,10 @@ MLA = dict(
 
 def v2_config() -> tf.DeepseekV2Config:
     """V2-Lite's shape: no q low-rank path; softmax routing limited to the 2 best of 4 groups;
-    two shared experts."""
+    two shared experts. Top 3 (with top 2, the limit would never bind: a group's score is its
+    best expert's, so the two best experts always lie in the two best groups)."""
     return tf.DeepseekV2Config(
-        **{**TINY, **MLA},
+        **{**TINY, **MLA, "num_experts_per_tok": 3},
         q_lora_rank=None,
         n_shared_experts=2,
         topk_method="group_limited_greedy",
@@ -153,6 +154,8 @@ def test_pool_stores_the_latent_layout(v3):
         assert tuple(pool.kv_all.shape) == (2, 513, 1, RANK + ROPE)
         per_token = 2 * (RANK + ROPE) * 4  # layers * (latent + rope key) * float32
         assert runner.kv_bytes_per_token() == per_token
+        # What the server's memory plan divides its KV budget by.
+        assert runner.memory_report()["kv_bytes_per_token"] == per_token
         assert pool.mem_bytes() == 513 * per_token
         cfg = ModelConfig.from_folder(v3).hf
         # 4 heads * (16 + 8 + 24) = 192 values a layer expanded vs 32 + 8 = 40 latent: 4.8x.
