@@ -6,6 +6,8 @@ and the triton backend are refused at start-up."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from genserve import Engine
 from genserve.srt.mem_cache import IntegrityError, MLATokenToKVPool
 from genserve.srt.model_config import ModelConfig
 from genserve.srt.model_runner import check_tensor_parallel
-from tests.srt.hf_equality import TINY, assert_greedy_matches_hf, hf_greedy, save_tiny
+from tests.srt.hf_equality import PROMPTS, TINY, assert_greedy_matches_hf, hf_greedy, save_tiny
 
 HEADS, NOPE, ROPE, V_DIM, RANK = 4, 16, 8, 24, 32
 MLA = dict(
@@ -192,3 +194,41 @@ def test_tensor_parallel_and_triton_are_refused(v2):
         check_tensor_parallel(ModelConfig.from_folder(v2), 2)
     with pytest.raises(ValueError, match="latent attention.*--attention-backend torch"):
         Engine(str(v2), dtype="float32", attention_backend="triton", max_total_tokens=256)
+
+
+def _greedy(folder: Path) -> list[list[int]]:
+    engine = Engine(str(folder), dtype="float32", max_total_tokens=1024, chunked_prefill_size=16)
+    try:
+        sampling = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+        got = engine.generate(input_ids=PROMPTS, sampling_params=sampling)
+        return [r["output_ids"] for r in got]
+    finally:
+        engine.shutdown()
+
+
+def test_upstream_config_and_stacked_experts_load_alike(v3, tmp_path):
+    """DeepSeek's own config.json (`rope_scaling` with `type`, top-level `rope_theta`, no
+    `head_dim`) and experts stored stacked (`experts.gate_up_proj` / `experts.down_proj`, as
+    transformers holds them) give the same model as the per-expert checkpoint."""
+    cfg = json.loads((v3 / "config.json").read_text())
+    rope = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = {**{k: v for k, v in rope.items() if k != "rope_type"}, "type": "yarn"}
+    cfg.pop("head_dim")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(v3 / "model.safetensors"))
+    experts = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+    per_expert: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name in [n for n in tensors if experts.match(n)]:
+        m = experts.match(name)
+        assert m is not None
+        per_expert.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = tensors.pop(name)
+    for prefix, parts in per_expert.items():
+        count = 1 + max(e for e, _ in parts)
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in range(count)]
+        )
+        tensors[f"{prefix}.down_proj"] = torch.stack([parts[(e, "down")] for e in range(count)])
+    assert per_expert
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    assert _greedy(tmp_path) == _greedy(v3)
