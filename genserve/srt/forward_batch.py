@@ -11,7 +11,7 @@ import torch
 if TYPE_CHECKING:
     from genserve.srt.layers.attention.base import AttentionBackend
     from genserve.srt.lora.layers import LoRABatch
-    from genserve.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from genserve.srt.mem_cache.memory_pool import KVPool, ReqToTokenPool
 
 
 class ForwardMode(enum.Enum):
@@ -42,7 +42,7 @@ class ForwardBatch:
     extend_prefix_lens_cpu: list[int]
     extend_seq_lens_cpu: list[int]
     req_to_token_pool: ReqToTokenPool
-    token_to_kv_pool: MHATokenToKVPool
+    token_to_kv_pool: KVPool
     attn_backend: AttentionBackend
     # Rows of the final hidden states whose logits are needed: the last new token of each
     # request. [batch] int64.

@@ -20,19 +20,28 @@ from genserve.srt.device import resolve_device, resolve_dtype
 from genserve.srt.distributed import TPGroup
 from genserve.srt.forward_batch import ForwardBatch, ForwardMode
 from genserve.srt.layers.attention.base import AttentionBackend
-from genserve.srt.layers.parallel import check_tp_experts, check_tp_size, split_heads
+from genserve.srt.layers.parallel import split_heads
 from genserve.srt.layers.prequantized import checkpoint_quantization
 from genserve.srt.layers.quantization import (
     QuantizationChoice,
     WeightOnlyLinear,
     choose_quantization,
-    quantize_linear,
-    quantize_model,
 )
 from genserve.srt.lora import LoRAManager
-from genserve.srt.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from genserve.srt.mem_cache import (
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+    create_kv_pool,
+    kv_bytes_per_token,
+)
+from genserve.srt.model_build import (  # noqa: F401 (load_model, init_dummy_weights: re-exported)
+    check_tensor_parallel,
+    choose_kernels,
+    init_dummy_weights,
+    load_model,
+)
 from genserve.srt.model_config import ModelConfig
-from genserve.srt.models.base import CausalLM, ModelKernels
+from genserve.srt.models.base import CausalLM
 from genserve.srt.models.registry import get_model_class
 from genserve.srt.pooling_config import PoolingSpec
 from genserve.srt.server_args import EngineArgs
@@ -52,86 +61,6 @@ CUDA_MEM_FRACTION = 0.85
 
 def _tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def load_model(
-    config: ModelConfig,
-    folder: Path,
-    device: torch.device,
-    dtype: torch.dtype,
-    kernels: ModelKernels,
-    tp: TPGroup | None = None,
-    pooled: bool = False,
-    load_format: str = "auto",
-    quantization: Callable[[CausalLM], str] | None = None,
-) -> CausalLM:
-    """Build the family's model on the meta device, give it empty storage in `dtype` on
-    `device`, and stream the checkpoint into it: no weight ever exists in another dtype.
-    With a tensor-parallel group of size > 1 the model holds this rank's share.
-    Text and vision-language models load the same way; `pooled` loads the family's embedder
-    (`models/embedding.py`). load_format "dummy" fills the weights with random values instead
-    of reading a checkpoint.
-    quantization: given the (meta) model, its weight-only mode. Where the family streams its
-    checkpoint, each linear layer is quantized as soon as its weight is whole: the storage of
-    the full-precision model is allocated but its pages are touched, then freed, one layer at
-    a time. The rest (a tied lm_head, state-dict families) is quantized after loading."""
-    model_cls = get_model_class(config.architecture, pooled=pooled)
-    with torch.device("meta"):
-        model = model_cls(config, kernels, tp) if tp is not None and tp.size > 1 else (
-            model_cls(config, kernels))
-    mode = quantization(model) if quantization is not None else "none"
-    model = model.to(dtype).to_empty(device=device)
-    model.tie_weights()  # to_empty gives each module its own copy of a shared parameter
-    model.rebuild_buffers(device)  # buffers (the rotary tables) were meta: compute them
-    if load_format == "dummy":
-        init_dummy_weights(model)
-    elif mode != "none" and type(model).load_checkpoint is CausalLM.load_checkpoint:
-        model.load_checkpoint(folder, on_linear_loaded=functools.partial(
-            quantize_linear, model, mode=mode))
-    else:
-        model.load_checkpoint(folder)
-    quantize_model(model, mode)
-    return model.eval()
-
-
-def init_dummy_weights(model: torch.nn.Module, bound: float = 1e-3) -> None:
-    """Every floating-point parameter uniform in [-bound, bound] (vLLM's and SGLang's dummy
-    weights: small enough that activations stay finite through every layer), from torch's
-    current seed (the runner seeds it with `random_seed`)."""
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.is_floating_point():
-                param.uniform_(-bound, bound)
-
-
-def choose_kernels(
-    args: EngineArgs, device: torch.device, model_cls: type[CausalLM]
-) -> ModelKernels:
-    """The norm, rotary and MoE kernels: as asked, else the device's (triton on CUDA); a
-    rotary kernel the family does not implement is refused, never silently swapped."""
-    kernel = "triton" if device.type == "cuda" else "torch"
-    supported = model_cls.rotary_kernels
-    rotary = args.rotary_kernel or (kernel if kernel in supported else supported[0])
-    if rotary not in supported:
-        raise ValueError(
-            f"--rotary-kernel {rotary} is not supported for {model_cls.__name__}; "
-            f"use one of {', '.join(supported)}"
-        )
-    return ModelKernels(
-        norm=args.norm_kernel or kernel, rotary=rotary, moe=args.moe_kernel or kernel
-    )
-
-
-def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
-    """ValueError when this model cannot run on `tp_size` tensor-parallel ranks."""
-    if tp_size == 1:
-        return
-    if not get_model_class(config.architecture).supports_tp:
-        raise ValueError(f"--tp is not supported for {config.architecture} yet")
-    check_tp_size(config.num_attention_heads, config.num_key_value_heads, tp_size)
-    experts = config.hf.get("num_local_experts") or config.hf.get("num_experts")
-    if experts:
-        check_tp_experts(experts, tp_size)
 
 
 def create_attention_backend(name: str, runner: ModelRunner) -> AttentionBackend:
@@ -232,6 +161,14 @@ class ModelRunner:
         self.lora = None if self.lora_refusal else LoRAManager(
             self.model, args.lora_slots(), self.device, self.dtype)
         self.quantization = self._log_quantization(args.quantization, choice[0])
+        # (kv_lora_rank, qk_rope_head_dim) of a latent-attention model (DeepSeek-V2/V3): its
+        # pool stores one compressed row per token instead of per-head K and V.
+        self.latent_kv = self.model.latent_kv_dims()
+        if backend == "triton" and self.latent_kv is not None:
+            raise ValueError(
+                f"{config.architecture} uses multi-head latent attention, which the triton "
+                "backend does not implement; use --attention-backend torch"
+            )
         if backend == "triton":
             unsupported = [
                 i.layer_id
@@ -251,12 +188,13 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             max(2 * args.max_running_requests, 16), context_length + 8, self.device
         )
-        self.token_to_kv_pool = MHATokenToKVPool(
+        self.token_to_kv_pool = create_kv_pool(
             self.max_total_tokens,
             self.dtype,
             config.num_hidden_layers,
             self.num_kv_heads,
             self.head_dim,
+            self.latent_kv,
             self.device,
         )
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
@@ -281,6 +219,8 @@ class ModelRunner:
             why = "an embedding model takes no adapters"
         elif self.config.multimodal:
             why = f"the vision-language model {self.config.architecture} takes no adapters yet"
+        elif self.model.latent_kv_dims() is not None:
+            why = f"{self.config.architecture}'s latent attention takes no adapters yet"
         if why is not None and args.lora_paths:
             raise ValueError(f"--lora-paths: {why}")
         return why
@@ -373,8 +313,10 @@ class ModelRunner:
         return functools.partial(compiled, self.model)
 
     def kv_bytes_per_token(self) -> int:
-        elt = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.config.num_hidden_layers * self.num_kv_heads * self.head_dim * elt
+        """What one token takes in this runner's KV pool, over every layer."""
+        cfg = self.config
+        layers, heads, head_dim = cfg.num_hidden_layers, self.num_kv_heads, self.head_dim
+        return kv_bytes_per_token(self.dtype, layers, heads, head_dim, self.latent_kv)
 
     def activation_bytes(self) -> int:
         """Upper estimate of one forward's transient memory: the widest per-token tensors of a
@@ -382,7 +324,9 @@ class ModelRunner:
         cfg = self.config
         elt = torch.tensor([], dtype=self.dtype).element_size()
         tokens = self.args.chunked_prefill_size + self.args.max_running_requests
-        qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        # Latent attention's queries and keys are latent rows (kv_lora_rank + rope) wide.
+        head_dim = self.head_dim if self.latent_kv is None else sum(self.latent_kv)
+        qkv = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         width = qkv + 3 * cfg.intermediate_size + 4 * cfg.hidden_size
         logits = self.args.max_running_requests * cfg.vocab_size * 4 * 3
         return tokens * width * elt + logits

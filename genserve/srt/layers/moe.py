@@ -98,6 +98,13 @@ class FusedMoE(nn.Module):
         """x: [tokens, hidden]; router_logits: [tokens, num_experts] (every expert). Returns
         the sum over this rank's experts only."""
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.forward_routed(x, weights, ids)
+
+    def forward_routed(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """x: [tokens, hidden]; weights / ids: [tokens, top_k] over all experts, chosen by the
+        caller's own router (DeepSeek's grouped routing). The sum over this rank's experts."""
         if self.local_experts != self.num_experts:
             ids = ids - self.expert_start
             elsewhere = (ids < 0) | (ids >= self.local_experts)

@@ -5,9 +5,13 @@ from __future__ import annotations
 from genserve.srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 from genserve.srt.mem_cache.errors import IntegrityError
 from genserve.srt.mem_cache.memory_pool import (
+    KVPool,
     MHATokenToKVPool,
+    MLATokenToKVPool,
     ReqToTokenPool,
     TokenToKVPoolAllocator,
+    create_kv_pool,
+    kv_bytes_per_token,
 )
 from genserve.srt.mem_cache.no_prefix_cache import NoPrefixCache
 from genserve.srt.mem_cache.radix_cache import RadixCache, TreeNode
@@ -30,7 +34,9 @@ def create_prefix_cache(
 __all__ = [
     "BasePrefixCache",
     "IntegrityError",
+    "KVPool",
     "MHATokenToKVPool",
+    "MLATokenToKVPool",
     "MatchResult",
     "NoPrefixCache",
     "PREFIX_CACHES",
@@ -38,5 +44,7 @@ __all__ = [
     "ReqToTokenPool",
     "TokenToKVPoolAllocator",
     "TreeNode",
+    "create_kv_pool",
     "create_prefix_cache",
+    "kv_bytes_per_token",
 ]

@@ -4,6 +4,8 @@ Three objects, following SGLang's split:
 - `ReqToTokenPool`: one row per running request; row r, column j holds the KV slot of token j.
 - `MHATokenToKVPool`: the K and V tensors themselves, `[size + 1, num_kv_heads, head_dim]` per
   layer. Slot 0 is a padding sink (CUDA-graph padding writes land there) and never handed out.
+  `MLATokenToKVPool` is its multi-head latent attention variant (DeepSeek-V2/V3): one compressed
+  row per token shared by every head, `[size + 1, 1, kv_lora_rank + qk_rope_head_dim]`.
 - `TokenToKVPoolAllocator`: which of the slots 1..size are free.
 """
 
@@ -173,6 +175,146 @@ class MHATokenToKVPool:
 
     def mem_bytes(self) -> int:
         return self.k_all.numel() * self.k_all.element_size() * 2
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, elt: int) -> int:
+        """K and V bytes one token takes over every layer (`elt` bytes per element)."""
+        return 2 * num_layers * num_kv_heads * head_dim * elt
+
+    def check_integrity(self) -> None:
+        """The buffers hold exactly the per-head layout: size + 1 rows of every layer."""
+        shape = (self.num_layers, self.size + 1, self.num_kv_heads, self.head_dim)
+        if tuple(self.k_all.shape) != shape or tuple(self.v_all.shape) != shape:
+            raise IntegrityError(f"MHATokenToKVPool: buffers are not {shape}")
+        elt = torch.empty(0, dtype=self.dtype).element_size()
+        want = (self.size + 1) * self.bytes_per_token(
+            self.num_layers, self.num_kv_heads, self.head_dim, elt
+        )
+        if self.mem_bytes() != want:
+            raise IntegrityError(f"MHATokenToKVPool: {self.mem_bytes()} bytes, expected {want}")
+
+
+class MLATokenToKVPool:
+    """The compressed KV of multi-head latent attention: per layer and token one row
+    `[kv_lora_rank latent | qk_rope_head_dim rotated key]` that every head shares (the heads'
+    keys and values are recovered from it by the layer's up-projections, never stored).
+
+    To the attention backend it is a one-KV-head pool whose key is the whole row and whose
+    value is a view of its first `kv_lora_rank` columns, so nothing is stored twice."""
+
+    def __init__(
+        self,
+        size: int,
+        dtype: torch.dtype,
+        num_layers: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        device: str | torch.device = "cpu",
+    ):
+        if min(size, num_layers, kv_lora_rank) <= 0 or qk_rope_head_dim < 0:
+            raise ValueError(
+                "MLATokenToKVPool needs positive sizes, got "
+                f"size={size}, num_layers={num_layers}, kv_lora_rank={kv_lora_rank}, "
+                f"qk_rope_head_dim={qk_rope_head_dim}"
+            )
+        self.size = size
+        self.dtype = dtype
+        self.num_layers = num_layers
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.num_kv_heads = 1
+        self.head_dim = kv_lora_rank + qk_rope_head_dim
+        self.device = canonical_device(device)
+        self.store_dtype = torch.uint8 if dtype in _FP8_DTYPES else dtype
+        # [num_layers, size + 1, 1, kv_lora_rank + qk_rope_head_dim]; row 0 is the padding slot.
+        shape = (num_layers, size + 1, 1, self.head_dim)
+        self.kv_all = torch.zeros(shape, dtype=self.store_dtype, device=self.device)
+        self.kv_buffer = list(self.kv_all.unbind(0))
+
+    def _view(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf if self.store_dtype == self.dtype else buf.view(self.dtype)
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self._view(self.kv_buffer[layer_id])
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        """The latent columns of the key rows (a view, not a copy)."""
+        return self.get_key_buffer(layer_id)[..., : self.kv_lora_rank]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    def set_kv_buffer(
+        self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
+    ) -> None:
+        """Write the rows `cache_k` ([N, 1, kv_lora_rank + qk_rope_head_dim]) at slots `loc`.
+        `cache_v` must be the latent part of `cache_k` (it is not stored again)."""
+        if cache_k.shape[1:] != (1, self.head_dim):
+            raise ValueError(
+                f"MLATokenToKVPool rows are [N, 1, {self.head_dim}], got {tuple(cache_k.shape)}"
+            )
+        if cache_v.shape[-1] != self.kv_lora_rank:
+            raise ValueError(f"MLA value must be the {self.kv_lora_rank}-wide latent")
+        if cache_k.dtype != self.dtype:
+            cache_k = cache_k.to(self.dtype)
+        if self.store_dtype != self.dtype:
+            cache_k = cache_k.view(self.store_dtype)
+        self.kv_buffer[layer_id][loc] = cache_k
+
+    def mem_bytes(self) -> int:
+        return self.kv_all.numel() * self.kv_all.element_size()
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, elt: int) -> int:
+        """Latent + rotated-key bytes one token takes over every layer."""
+        return num_layers * (kv_lora_rank + qk_rope_head_dim) * elt
+
+    def check_integrity(self) -> None:
+        """The buffer holds exactly the latent layout (no per-head copy): size + 1 rows of
+        kv_lora_rank + qk_rope_head_dim elements in every layer."""
+        shape = (self.num_layers, self.size + 1, 1, self.head_dim)
+        if tuple(self.kv_all.shape) != shape:
+            raise IntegrityError(
+                f"MLATokenToKVPool: buffer is {tuple(self.kv_all.shape)}, expected {shape}"
+            )
+        elt = torch.empty(0, dtype=self.dtype).element_size()
+        want = (self.size + 1) * self.bytes_per_token(
+            self.num_layers, self.kv_lora_rank, self.qk_rope_head_dim, elt
+        )
+        if self.mem_bytes() != want:
+            raise IntegrityError(f"MLATokenToKVPool: {self.mem_bytes()} bytes, expected {want}")
+
+
+KVPool = MHATokenToKVPool | MLATokenToKVPool
+
+
+def create_kv_pool(
+    size: int,
+    dtype: torch.dtype,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    latent: tuple[int, int] | None,
+    device: str | torch.device = "cpu",
+) -> KVPool:
+    """The latent pool when `latent` = (kv_lora_rank, qk_rope_head_dim), else per-head K/V."""
+    if latent is not None:
+        return MLATokenToKVPool(size, dtype, num_layers, *latent, device)
+    return MHATokenToKVPool(size, dtype, num_layers, num_kv_heads, head_dim, device)
+
+
+def kv_bytes_per_token(
+    dtype: torch.dtype,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    latent: tuple[int, int] | None,
+) -> int:
+    """Bytes one token takes in the pool `create_kv_pool` makes with the same arguments."""
+    elt = torch.empty(0, dtype=dtype).element_size()
+    if latent is not None:
+        return MLATokenToKVPool.bytes_per_token(num_layers, *latent, elt)
+    return MHATokenToKVPool.bytes_per_token(num_layers, num_kv_heads, head_dim, elt)
 
 
 class TokenToKVPoolAllocator:

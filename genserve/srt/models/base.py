@@ -172,6 +172,11 @@ class CausalLM(nn.Module, ABC):
 
         load_checkpoint(self, folder, on_linear_loaded)
 
+    def latent_kv_dims(self) -> tuple[int, int] | None:
+        """(kv_lora_rank, qk_rope_head_dim) of a multi-head latent attention model, whose KV pool
+        stores one compressed row per token (`MLATokenToKVPool`); None for per-head K/V."""
+        return None
+
     def attention_layers(self) -> list[AttentionLayerInfo]:
         """What each attention layer asks of the backend (window, soft-cap, sizes)."""
         infos = (getattr(m, "info", None) for m in self.modules())

@@ -38,6 +38,8 @@ _MODELS: dict[str, ModelEntry] = {
     "Qwen2MoeForCausalLM": ModelEntry("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2_moe"),
     "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
     "GptOssForCausalLM": ModelEntry("gpt_oss", "GptOssForCausalLM", "gpt_oss"),
+    "DeepseekV2ForCausalLM": ModelEntry("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek_v2"),
+    "DeepseekV3ForCausalLM": ModelEntry("deepseek_v2", "DeepseekV3ForCausalLM", "deepseek_v3"),
     # Vision-language models: Hugging Face's vision towers around a registry decoder.
     "Qwen2VLForConditionalGeneration": ModelEntry(
         "qwen2_vl", "Qwen2VLForConditionalGeneration", "qwen2_vl",

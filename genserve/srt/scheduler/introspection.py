@@ -31,6 +31,7 @@ def log_step(batch: ExtendBatch, n_running: int, seconds: float, waiting: int) -
 def check_scheduler_integrity(s: Scheduler) -> None:
     """free + cached + held by requests == pool size; every structure checks itself."""
     s.allocator.check_integrity()
+    s.runner.token_to_kv_pool.check_integrity()  # its buffers match its layout's byte count
     s.cache.check_integrity()
     s.req_to_token_pool.check_integrity()
     live = s.live_reqs()

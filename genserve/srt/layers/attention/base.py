@@ -24,6 +24,13 @@ class AttentionLayerInfo:
     # GPT-OSS: one learned logit per query head joins each softmax as an extra column that
     # takes probability mass and adds no value; the layer passes the tensor to `forward`.
     sinks: bool = False
+    # Width of the value rows when it differs from the keys' (multi-head latent attention
+    # attends over a latent: keys [latent | rope], values the latent); None = head_dim.
+    v_head_dim: int | None = None
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
 
 class AttentionBackend(ABC):
@@ -38,11 +45,11 @@ class AttentionBackend(ABC):
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, value_dim]
         layer: AttentionLayerInfo,
         forward_batch: ForwardBatch,
         sinks: torch.Tensor | None = None,  # [num_heads] float, for a layer with `sinks`
     ) -> torch.Tensor:
         """Store k/v at `forward_batch.out_cache_loc` in layer `layer.layer_id` of the pool,
         then attend: each new token sees its request's cached prefix and, causally, the
-        new tokens before it. Returns [num_tokens, num_heads, head_dim] in q's dtype."""
+        new tokens before it. Returns [num_tokens, num_heads, value_dim] in q's dtype."""

@@ -158,7 +158,7 @@ class TorchAttnBackend(AttentionBackend):
         if fb.mode is ForwardMode.DECODE:
             if not self._groups:
                 return self._decode_padded(q, k_buf, v_buf, layer, gqa)
-            out = torch.empty_like(q)
+            out = q.new_empty(*q.shape[:-1], layer.value_dim)
             if self._decode_index is not None:
                 rows = self._plain_rows
                 out[rows] = self._decode_padded(q[rows], k_buf, v_buf, layer, gqa)
@@ -168,7 +168,7 @@ class TorchAttnBackend(AttentionBackend):
                 )
             return out
 
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], layer.value_dim)
         start = 0
         for i, n_new in enumerate(fb.extend_seq_lens_cpu):
             end = start + n_new
@@ -216,7 +216,7 @@ class TorchAttnBackend(AttentionBackend):
             mask = mask & (cols[None, :] >= self._seq_lens[:, None] - layer.sliding_window)
         flat = index.reshape(-1)
         keys = k_buf.index_select(0, flat).view(batch, max_len, -1, layer.head_dim)
-        values = v_buf.index_select(0, flat).view(batch, max_len, -1, layer.head_dim)
+        values = v_buf.index_select(0, flat).view(batch, max_len, -1, layer.value_dim)
         out = _attend(
             q.unsqueeze(2),
             keys.transpose(1, 2),
@@ -236,7 +236,7 @@ class TorchAttnBackend(AttentionBackend):
         flat = self._decode_index.reshape(-1)
         # [batch, kv_heads, max_len, head_dim]
         keys = k_buf.index_select(0, flat).view(batch, max_len, -1, layer.head_dim)
-        values = v_buf.index_select(0, flat).view(batch, max_len, -1, layer.head_dim)
+        values = v_buf.index_select(0, flat).view(batch, max_len, -1, layer.value_dim)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [batch, heads, 1, head_dim]
             keys.transpose(1, 2),
@@ -255,7 +255,7 @@ class TorchAttnBackend(AttentionBackend):
         layer: AttentionLayerInfo,
         group: _CascadeGroup,
     ) -> torch.Tensor:
-        g, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
+        g, hkv, d, dv = q.shape[0], layer.num_kv_heads, layer.head_dim, layer.value_dim
         per = layer.num_heads // hkv
         qf = q.float().view(g, hkv, per, d)
         # Shared prefix, gathered once: [kv_heads, P, head_dim].
@@ -265,14 +265,14 @@ class TorchAttnBackend(AttentionBackend):
         qp = qf.permute(1, 0, 2, 3).reshape(hkv, g * per, d)
         s1 = torch.matmul(qp, kp.transpose(1, 2)) * layer.scaling
         lse1 = torch.logsumexp(s1, dim=-1, keepdim=True)
-        o1 = torch.matmul(torch.exp(s1 - lse1), vp)  # [kv_heads, G * per, head_dim]
-        o1 = o1.view(hkv, g, per, d).permute(1, 0, 2, 3)  # [G, kv_heads, per, head_dim]
+        o1 = torch.matmul(torch.exp(s1 - lse1), vp)  # [kv_heads, G * per, value_dim]
+        o1 = o1.view(hkv, g, per, dv).permute(1, 0, 2, 3)  # [G, kv_heads, per, value_dim]
         lse1 = lse1.view(hkv, g, per, 1).permute(1, 0, 2, 3)
         # Each member's own suffix: [G, kv_heads, S, head_dim].
         s_len = group.suffix_index.shape[1]
         flat = group.suffix_index.reshape(-1)
         ks = k_buf.index_select(0, flat).float().view(g, s_len, hkv, d).transpose(1, 2)
-        vs = v_buf.index_select(0, flat).float().view(g, s_len, hkv, d).transpose(1, 2)
+        vs = v_buf.index_select(0, flat).float().view(g, s_len, hkv, dv).transpose(1, 2)
         s2 = torch.matmul(qf, ks.transpose(2, 3)) * layer.scaling  # [G, kv_heads, per, S]
         s2 = s2.masked_fill(~group.suffix_mask, float("-inf"))
         lse2 = torch.logsumexp(s2, dim=-1, keepdim=True)
@@ -281,7 +281,7 @@ class TorchAttnBackend(AttentionBackend):
         m = torch.maximum(lse1, lse2)
         w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
         o = (o1 * w1 + o2 * w2) / (w1 + w2)
-        return o.reshape(g, layer.num_heads, d).to(q.dtype)
+        return o.reshape(g, layer.num_heads, dv).to(q.dtype)
 
 
 def _attend(
