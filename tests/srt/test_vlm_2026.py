@@ -10,7 +10,7 @@ from genserve import Engine
 from genserve.srt.model_config import ModelConfig
 from genserve.srt.model_runner import check_tensor_parallel
 from tests.srt.vlm_models import hf_reference, png_bytes
-from tests.srt.vlm_models_2026 import make_tiny_qwen3_vl
+from tests.srt.vlm_models_2026 import gemma3_reference, make_tiny_gemma3, make_tiny_qwen3_vl
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
@@ -73,9 +73,52 @@ def test_qwen3_vl_chunked_prefill_through_an_image(qwen3_vl):
     chunked.check_integrity()
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl"])
-def test_tensor_parallel_is_refused_clearly(family, qwen3_vl):
-    folder = {"qwen3_vl": qwen3_vl}[family]
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    return make_tiny_gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
+def test_gemma3_greedy_equal_to_hf_batched_with_text(gemma3):
+    engine = Engine(str(gemma3), dtype="float32", max_total_tokens=2048)
+    a, b, c = png_bytes(64, 96, 1), png_bytes(128, 64, 2), png_bytes(40, 40, 3)
+    prompts = [
+        (chat_ids(engine, [None, "what is in the image ?"]), [a]),
+        (chat_ids(engine, ["how many red square ?"]), None),
+        (chat_ids(engine, ["compare", None, "and", None, "?"]), [b, c]),
+    ]
+    outs = engine.generate(
+        input_ids=[p for p, _ in prompts],
+        image_data=[i for _, i in prompts],
+        sampling_params=GREEDY,
+    )
+    for (ids, images), out in zip(prompts, outs):
+        assert out["output_ids"] == gemma3_reference(gemma3, ids, images or [])
+    # The same image after the same text: its 16 tokens come from the prefix cache.
+    ids = chat_ids(engine, [None, "describe this picture ."])
+    again = engine.generate(input_ids=ids, image_data=[a], sampling_params=GREEDY)
+    image_end = prompts[0][0].index(engine.vision.rules.image_token_id) + 16
+    assert again["meta_info"]["cached_tokens"] >= image_end
+    assert engine.server_info()["multimodal"]["images_encoded"] == 3
+    assert again["output_ids"] == gemma3_reference(gemma3, ids, [a])
+    engine.check_integrity()
+
+
+def test_gemma3_prefill_chunks_never_split_an_image(gemma3):
+    ids_parts = ["describe", None, "and", None, "?"]
+    images = [png_bytes(64, 64, 4), png_bytes(96, 64, 5)]
+    # Budget 16 with each image 16 tokens long after a few text tokens: an unconstrained chunk
+    # would cut both images, and the first half of an image would not see its second half.
+    chunked = Engine(str(gemma3), dtype="float32", max_total_tokens=2048, chunked_prefill_size=16)
+    ids = chat_ids(chunked, ids_parts)
+    out = chunked.generate(input_ids=ids, image_data=images, sampling_params=GREEDY)
+    assert out["output_ids"] == gemma3_reference(gemma3, ids, images)
+    assert chunked.scheduler.stats["prefill_batches"] >= 3
+    chunked.check_integrity()
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "gemma3"])
+def test_tensor_parallel_is_refused_clearly(family, request):
+    folder = request.getfixturevalue(family)
     config = ModelConfig.from_folder(folder)
     check_tensor_parallel(config, 1)
     with pytest.raises(ValueError, match=f"--tp is not supported for {config.architecture}"):
