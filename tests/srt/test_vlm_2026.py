@@ -4,11 +4,16 @@ prompt, the image-aware prefix cache, and a clear refusal of --tp."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
+import torch
 
 from genserve import Engine
 from genserve.srt.model_config import ModelConfig
-from genserve.srt.model_runner import check_tensor_parallel
+from genserve.srt.model_runner import check_tensor_parallel, load_model
+from genserve.srt.models.base import ModelKernels
 from tests.srt.vlm_models import hf_reference, png_bytes
 from tests.srt.vlm_models_2026 import gemma3_reference, make_tiny_gemma3, make_tiny_qwen3_vl
 
@@ -123,3 +128,37 @@ def test_tensor_parallel_is_refused_clearly(family, request):
     check_tensor_parallel(config, 1)
     with pytest.raises(ValueError, match=f"--tp is not supported for {config.architecture}"):
         check_tensor_parallel(config, 2)
+
+
+_NO_TORCH = """
+import sys
+from genserve.srt.models.registry import get_processor_class
+for arch in ("Qwen3VLForConditionalGeneration", "Gemma3ForConditionalGeneration"):
+    assert get_processor_class({"architectures": [arch]}) is not None, arch
+assert "torch" not in sys.modules, "torch was imported"
+"""
+
+
+def test_processors_resolve_without_importing_torch():
+    result = subprocess.run([sys.executable, "-c", _NO_TORCH], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "gemma3"])
+def test_loads_through_the_common_path_in_the_serving_dtype(family, request):
+    folder = request.getfixturevalue(family)
+    model = load_model(
+        ModelConfig.from_folder(folder), folder, torch.device("cpu"), torch.bfloat16, ModelKernels()
+    )
+    tensors = [*model.parameters(), *model.buffers()]
+    assert {t.dtype for t in tensors if t.is_floating_point()} == {torch.bfloat16}
+    assert not any(t.is_meta for t in tensors)
+
+
+def test_gemma3_pan_and_scan_is_refused():
+    from genserve.srt.multimodal.processors.gemma3 import Gemma3Processor
+
+    config = {"image_token_index": 7, "mm_tokens_per_image": 16}
+    assert Gemma3Processor.from_config(config, {}).num_tokens(None) == 16
+    with pytest.raises(ValueError, match="pan-and-scan"):
+        Gemma3Processor.from_config(config, {"do_pan_and_scan": True})
