@@ -51,6 +51,9 @@ class ForwardBatch:
     # token embeddings of image placeholders, and M-RoPE positions [3, num_tokens] int64.
     image_embeds: list[tuple[int, torch.Tensor]] | None = None
     mrope_positions: torch.Tensor | None = None
+    # Per request: [start, end) sequence positions of image blocks whose tokens attend to each
+    # other both ways in this prefill (Gemma 3); None when every token attends causally.
+    image_blocks: list[list[tuple[int, int]]] | None = None
     # Multi-LoRA: which rows use which adapter slot (None: the base model for every row).
     lora: LoRABatch | None = None
 

@@ -181,6 +181,11 @@ class ModelRunner:
                     f"attention in layers {unsupported}, which the triton backend does not "
                     "implement; use --attention-backend torch"
                 )
+            if getattr(self.model, "bidirectional_images", False):
+                raise ValueError(
+                    f"{config.architecture} attends both ways within an image, which the "
+                    "triton backend does not implement; use --attention-backend torch"
+                )
 
         # Every rank takes the smallest pool so that rank 0's slot indices are valid on all.
         pool = self._pool_size() if plan_pool is None else plan_pool(self.memory_report())
@@ -383,10 +388,11 @@ class ModelRunner:
         out_cache_loc: torch.Tensor,
         image_embeds: list[tuple[int, torch.Tensor]] | None = None,
         mrope_positions: torch.Tensor | None = None,
+        image_blocks: list[list[tuple[int, int]]] | None = None,
         lora_slots: list[int] | None = None,
     ) -> ForwardBatch:
         """input_ids: the new tokens of every request, concatenated request after request.
-        image_embeds / mrope_positions: see `ForwardBatch` (vision-language models only).
+        image_embeds / mrope_positions / image_blocks: see `ForwardBatch` (vision models only).
         lora_slots: each request's adapter slot (-1: the base model)."""
         dev = self.device
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -418,6 +424,7 @@ class ModelRunner:
             logits_indices=start_loc + ext - 1,
             image_embeds=image_embeds,
             mrope_positions=mrope_positions,
+            image_blocks=image_blocks,
             lora=self.lora.make_batch(lora_slots, extend_lens)
             if self.lora is not None and lora_slots is not None else None,
         )

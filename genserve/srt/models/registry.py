@@ -49,6 +49,12 @@ _MODELS: dict[str, ModelEntry] = {
         processor="qwen2_vl.Qwen2VLProcessor"),
     "LlavaForConditionalGeneration": ModelEntry(
         "llava", "LlavaForConditionalGeneration", "llava", processor="llava.LlavaProcessor"),
+    "Qwen3VLForConditionalGeneration": ModelEntry(
+        "qwen3_vl", "Qwen3VLForConditionalGeneration", "qwen3_vl",
+        processor="qwen2_vl.Qwen2VLProcessor"),
+    "Gemma3ForConditionalGeneration": ModelEntry(
+        "gemma3_vision", "Gemma3ForConditionalGeneration", "gemma3",
+        processor="gemma3.Gemma3Processor"),
     # Decoders saved without their LM head (sentence-transformers saves the bare `*Model`):
     # served as embedders only (`models/embedding.py`), through the paged runtime.
     "LlamaModel": ModelEntry("llama", "LlamaForCausalLM", "llama"),

@@ -76,12 +76,36 @@ class MultimodalRuntime:
             assert emb is not None  # held above
             image_embeds.append((start, emb[a:b]))
         extra: dict[str, Any] = {"image_embeds": image_embeds}
+        if getattr(self.model, "bidirectional_images", False):
+            extra["image_blocks"] = [
+                [
+                    (it.offset, it.offset + it.num_tokens)
+                    for it in (req.mm_inputs.images if req.mm_inputs is not None else ())
+                    if it.offset < prefix + n and it.offset + it.num_tokens > prefix
+                ]
+                for req, prefix, n in spans
+            ]
         if self.model.uses_mrope:
             cols = [self._mrope(req, prefix, prefix + n) for req, prefix, n in spans]
             extra["mrope_positions"] = torch.from_numpy(np.concatenate(cols, axis=1)).to(
                 self.device
             )
         return extra
+
+    def chunk_length(self, req: Any, start: int, chunk: int) -> int:
+        """The length of a prefill chunk of `req` from token `start` that wanted `chunk` tokens.
+        A model whose image tokens attend both ways needs each image in one forward: a chunk
+        that would end inside an image ends before it or, when the image starts the chunk,
+        after it (over the token budget)."""
+        mm = req.mm_inputs
+        if not getattr(self.model, "bidirectional_images", False) or mm is None:
+            return chunk
+        end = start + chunk
+        for item in mm.images:
+            lo, hi = item.offset, item.offset + item.num_tokens
+            if lo < end < hi:
+                return lo - start if lo > start else hi - start
+        return chunk
 
     def prepare_decode(self, reqs: list[Any]) -> dict[str, Any]:
         if not self.model.uses_mrope:

@@ -199,6 +199,7 @@ class Scheduler:
         if self.chunked is not None:
             req, self.chunked = self.chunked, None
             extend = min(req.seq_len - req.kv_len, budget)
+            extend = self.mm.chunk_length(req, req.kv_len, extend) if self.mm else extend
             if not self._alloc_extend(req, req.kv_len, extend):
                 # Cannot continue the chunk now: give its KV back and queue it again.
                 self._release(req, insert=True)
@@ -227,6 +228,7 @@ class Scheduler:
                     continue  # a request in this batch computes this prefix; hit it next step
                 seen_prefixes.add(key)
             chunk = min(extend, budget)
+            chunk = self.mm.chunk_length(req, prefix, chunk) if self.mm else chunk  # whole images
             if chunk < extend and batch and budget < 64:
                 break  # not worth starting a tiny chunk
             self.cache.inc_lock_ref(m.last_node)

@@ -1,0 +1,164 @@
+"""Qwen3-VL (DeepStack, interleaved M-RoPE) and Gemma 3 with its SigLIP tower through the
+Engine: greedy tokens equal to Hugging Face transformers with images batched beside a text-only
+prompt, the image-aware prefix cache, and a clear refusal of --tp."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from genserve import Engine
+from genserve.srt.model_config import ModelConfig
+from genserve.srt.model_runner import check_tensor_parallel, load_model
+from genserve.srt.models.base import ModelKernels
+from tests.srt.vlm_models import hf_reference, png_bytes
+from tests.srt.vlm_models_2026 import gemma3_reference, make_tiny_gemma3, make_tiny_qwen3_vl
+
+GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+def chat_ids(engine: Engine, parts: list) -> list[int]:
+    content = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
+    text = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+    return engine.tokenizer.encode(text)
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    return make_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl"))
+
+
+def test_qwen3_vl_greedy_equal_to_hf_batched_with_text(qwen3_vl):
+    engine = Engine(str(qwen3_vl), dtype="float32", max_total_tokens=2048)
+    a, b, c = png_bytes(64, 96, 1), png_bytes(128, 64, 2), png_bytes(96, 96, 3)
+    prompts = [
+        (chat_ids(engine, [None, "what is in the image ?"]), [a]),
+        (chat_ids(engine, ["how many red square ?"]), None),
+        (chat_ids(engine, ["compare", None, "and", None, "?"]), [b, c]),
+    ]
+    outs = engine.generate(
+        input_ids=[p for p, _ in prompts],
+        image_data=[i for _, i in prompts],
+        sampling_params=GREEDY,
+    )
+    for (ids, images), out in zip(prompts, outs):
+        assert out["output_ids"] == hf_reference(qwen3_vl, ids, images or [], 24)
+    assert engine.server_info()["multimodal"]["images_encoded"] == 3
+    # Same image and leading text: the image's KV comes from the prefix cache, and the
+    # embeddings (with their DeepStack levels) are not encoded again.
+    again = engine.generate(
+        input_ids=chat_ids(engine, [None, "describe this picture ."]),
+        image_data=[a],
+        sampling_params=GREEDY,
+    )
+    first = prompts[0][0]
+    image_end = first.index(engine.vision.rules.image_token_id) + 6  # 64x96 -> 2x3 tokens
+    assert again["meta_info"]["cached_tokens"] >= image_end
+    assert engine.server_info()["multimodal"]["images_encoded"] == 3
+    cold = hf_reference(qwen3_vl, chat_ids(engine, [None, "describe this picture ."]), [a], 24)
+    assert again["output_ids"] == cold
+    engine.check_integrity()
+
+
+def test_qwen3_vl_chunked_prefill_through_an_image(qwen3_vl):
+    whole = Engine(str(qwen3_vl), dtype="float32", max_total_tokens=2048, disable_radix_cache=True)
+    ids = chat_ids(whole, ["describe", None, "and", None, "?"])
+    images = [png_bytes(128, 128, 3), png_bytes(160, 96, 2)]  # 16 and 15 tokens
+    ref = whole.generate(input_ids=ids, image_data=images, sampling_params=GREEDY)
+    # Chunks of 16 cut through both images: DeepStack rows must follow the spliced rows.
+    chunked = Engine(str(qwen3_vl), dtype="float32", max_total_tokens=2048, chunked_prefill_size=16)
+    out = chunked.generate(input_ids=ids, image_data=images, sampling_params=GREEDY)
+    assert out["output_ids"] == ref["output_ids"]
+    assert chunked.scheduler.stats["prefill_batches"] >= 3
+    chunked.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    return make_tiny_gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
+def test_gemma3_greedy_equal_to_hf_batched_with_text(gemma3):
+    engine = Engine(str(gemma3), dtype="float32", max_total_tokens=2048)
+    a, b, c = png_bytes(64, 96, 1), png_bytes(128, 64, 2), png_bytes(40, 40, 3)
+    prompts = [
+        (chat_ids(engine, [None, "what is in the image ?"]), [a]),
+        (chat_ids(engine, ["how many red square ?"]), None),
+        (chat_ids(engine, ["compare", None, "and", None, "?"]), [b, c]),
+    ]
+    outs = engine.generate(
+        input_ids=[p for p, _ in prompts],
+        image_data=[i for _, i in prompts],
+        sampling_params=GREEDY,
+    )
+    for (ids, images), out in zip(prompts, outs):
+        assert out["output_ids"] == gemma3_reference(gemma3, ids, images or [])
+    # The same image after the same text: its 16 tokens come from the prefix cache.
+    ids = chat_ids(engine, [None, "describe this picture ."])
+    again = engine.generate(input_ids=ids, image_data=[a], sampling_params=GREEDY)
+    image_end = prompts[0][0].index(engine.vision.rules.image_token_id) + 16
+    assert again["meta_info"]["cached_tokens"] >= image_end
+    assert engine.server_info()["multimodal"]["images_encoded"] == 3
+    assert again["output_ids"] == gemma3_reference(gemma3, ids, [a])
+    engine.check_integrity()
+
+
+def test_gemma3_prefill_chunks_never_split_an_image(gemma3):
+    ids_parts = ["describe", None, "and", None, "?"]
+    images = [png_bytes(64, 64, 4), png_bytes(96, 64, 5)]
+    # Budget 16 with each image 16 tokens long after a few text tokens: an unconstrained chunk
+    # would cut both images, and the first half of an image would not see its second half.
+    chunked = Engine(str(gemma3), dtype="float32", max_total_tokens=2048, chunked_prefill_size=16)
+    ids = chat_ids(chunked, ids_parts)
+    out = chunked.generate(input_ids=ids, image_data=images, sampling_params=GREEDY)
+    assert out["output_ids"] == gemma3_reference(gemma3, ids, images)
+    assert chunked.scheduler.stats["prefill_batches"] >= 3
+    chunked.check_integrity()
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "gemma3"])
+def test_tensor_parallel_is_refused_clearly(family, request):
+    folder = request.getfixturevalue(family)
+    config = ModelConfig.from_folder(folder)
+    check_tensor_parallel(config, 1)
+    with pytest.raises(ValueError, match=f"--tp is not supported for {config.architecture}"):
+        check_tensor_parallel(config, 2)
+
+
+_NO_TORCH = """
+import sys
+from genserve.srt.models.registry import get_processor_class
+for arch in ("Qwen3VLForConditionalGeneration", "Gemma3ForConditionalGeneration"):
+    assert get_processor_class({"architectures": [arch]}) is not None, arch
+assert "torch" not in sys.modules, "torch was imported"
+"""
+
+
+def test_processors_resolve_without_importing_torch():
+    result = subprocess.run([sys.executable, "-c", _NO_TORCH], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "gemma3"])
+def test_loads_through_the_common_path_in_the_serving_dtype(family, request):
+    folder = request.getfixturevalue(family)
+    model = load_model(
+        ModelConfig.from_folder(folder), folder, torch.device("cpu"), torch.bfloat16, ModelKernels()
+    )
+    tensors = [*model.parameters(), *model.buffers()]
+    assert {t.dtype for t in tensors if t.is_floating_point()} == {torch.bfloat16}
+    assert not any(t.is_meta for t in tensors)
+
+
+def test_gemma3_pan_and_scan_is_refused():
+    from genserve.srt.multimodal.processors.gemma3 import Gemma3Processor
+
+    config = {"image_token_index": 7, "mm_tokens_per_image": 16}
+    assert Gemma3Processor.from_config(config, {}).num_tokens(None) == 16
+    with pytest.raises(ValueError, match="pan-and-scan"):
+        Gemma3Processor.from_config(config, {"do_pan_and_scan": True})
