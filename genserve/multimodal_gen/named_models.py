@@ -20,6 +20,7 @@ from genserve.named_models import NamedModel, NamedModelTable
 
 _EMBEDDED = "genserve.multimodal_gen.embedded"
 _PIPELINES = "genserve.multimodal_gen.pipelines"
+_EMBEDDED_2026 = "genserve.multimodal_gen.embedded_video_2026"
 _DEMO = "genserve.demo_models"
 
 # Spec defaults of the embedded random-weight pipelines, sized for a CPU.
@@ -83,6 +84,13 @@ ROWS = (
           dict(_TINY_HELIOS), "random-weight Helios, pyramid stages"),
     _tiny("tiny-helios-distilled", TEXT_TO_VIDEO, "helios_pyramid:HeliosPyramidFamily",
           dict(_TINY_HELIOS, default_steps=1), "random-weight Helios, distilled (DMD)"),
+    # The 2025-26 video families (embedded_video_2026.py).
+    _tiny("tiny-wan22-ti2v", TEXT_TO_VIDEO, "wan:WanFamily",
+          dict(_TINY_VIDEO, default_guidance=1.0),
+          "random-weight Wan 2.2 TI2V-5B (2.2 VAE, per-token timesteps)", _EMBEDDED_2026),
+    _tiny("tiny-wan22-a14b", TEXT_TO_VIDEO, "wan:WanFamily",
+          dict(_TINY_VIDEO, default_guidance=1.0, default_steps=4),
+          "random-weight Wan 2.2 A14B (two experts switched by timestep)", _EMBEDDED_2026),
     # The streaming demo's architecture (a pixel-space Helios transformer) before training:
     # its weights are not trained to the model card's targets yet (docs/benchmarks.md).
     NamedModel("tiny-shapes-stream", "diffusion", TEXT_TO_VIDEO, "builder",

@@ -144,8 +144,11 @@ def _finish(family: type[DiffusionFamily], name: str, pipe, source: str, options
             device, overrides: dict | None = None) -> DiffusionFamily:
     """Quantize, place (or offload) and wrap a loaded pipeline, then load its LoRA adapters."""
     denoiser = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    # A two-expert pipeline (Wan 2.2 A14B) quantizes its low-noise expert alike.
+    experts = [m for m in (denoiser, getattr(pipe, "transformer_2", None)) if m is not None]
     if options.memory.quantization != "none":
-        if denoiser is None or not quantize_denoiser(denoiser, options.memory.quantization):
+        if not experts or not all(quantize_denoiser(m, options.memory.quantization)
+                                  for m in experts):
             raise ValueError(f"model {name}: {options.memory.quantization} quantization found "
                              "no linear layer to quantize in its denoiser")
     pipe = place_pipeline(pipe, device, options.memory)

@@ -1,0 +1,137 @@
+"""The video families added in 2026 (Wan 2.2 TI2V-5B and A14B, HunyuanVideo 1.5) with their
+embedded tiny models: each equals diffusers' own output alone and batched (as in
+test_vs_diffusers.py: the same folder loaded by genserve and by diffusers, within 1 uint8
+level), and the step cache engages where cache-dit supports the transformer. Wan 2.2 A14B's
+second expert runs its share of the steps and is batch invariant, quantized and step-cached
+like the first."""
+
+from __future__ import annotations
+
+import time
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+
+from genserve.multimodal_gen.embedded import build_embedded
+from genserve.multimodal_gen.messages import ResolvedRequest, StepCacheConfig
+from genserve.multimodal_gen.pipelines import LoadOptions, load_model
+from genserve.multimodal_gen.pipelines.memory import MemoryOptions
+from tests.diffusion.test_vs_diffusers import ROWS, _assert_close, _product, _reference
+
+CACHE = StepCacheConfig(True, residual_diff_threshold=0.5)
+
+
+def _odd_latent_statistics(pipe) -> None:
+    """Latent normalisation that is not the identity, saved with the folder."""
+    vae = pipe.vae
+    c = vae.config.z_dim
+    vae.register_to_config(
+        latents_mean=np.linspace(-0.3, 0.4, c).tolist(),
+        latents_std=np.linspace(0.5, 2.0, c).tolist(),
+    )
+
+
+# name, size, frames, guidance (> 1 runs classifier-free guidance)
+FAMILIES = [
+    ("tiny-wan22-ti2v", 64, 5, 2.0),
+    ("tiny-wan22-a14b", 32, 5, 2.0),
+]
+
+
+@pytest.mark.parametrize("name, size, frames, guidance", FAMILIES)
+def test_family_equals_diffusers_alone_and_batched(name, size, frames, guidance, tmp_path):
+    pipe = build_embedded(name, shared=False)  # seed 0
+    _odd_latent_statistics(pipe)
+    pipe.save_pretrained(tmp_path / name)
+    model = load_model(str(tmp_path / name))
+    ref = diffusers.DiffusionPipeline.from_pretrained(tmp_path / name)
+    ref.set_progress_bar_config(disable=True)
+    kwargs = dict(height=size, width=size, num_frames=frames, guidance_scale=guidance)
+    want_alone = _reference(ref, ROWS[:1], **kwargs)
+    want_batch = _reference(ref, ROWS, **kwargs)
+    got_alone = _product(model, ROWS[:1], size, frames, guidance)
+    got_batch = _product(model, ROWS, size, frames, guidance)
+    assert got_alone[0].shape == (frames, size, size, 3)
+    _assert_close(got_alone[0], want_alone[0], 255.0)
+    for i in range(len(ROWS)):
+        _assert_close(got_batch[i], want_batch[i], 255.0)
+    assert not np.array_equal(got_batch[0], got_batch[1])
+
+
+def _steps(model, steps: int, cache: StepCacheConfig = StepCacheConfig(), size: int = 32):
+    req = ResolvedRequest(
+        "r",
+        "m",
+        "a red cat",
+        None,
+        size,
+        size,
+        5,
+        None,
+        steps,
+        2.0,
+        (1,),
+        cache,
+        False,
+        0,
+        None,
+        None,
+        time.time(),
+    )
+    return model.generate([req])
+
+
+def test_wan22_checkpoint_defaults():
+    ti2v = load_model("tiny-wan22-ti2v")
+    # The 2.2 VAE's 16x and the 2x2 transformer patch: sizes are multiples of 32.
+    assert ti2v.spec.size_factor == 32 and ti2v.spec.family == "wan"
+    a14b = load_model("tiny-wan22-a14b")
+    assert a14b.spec.size_factor == 16 and len(a14b.denoisers) == 2
+
+
+def test_wan22_experts_split_the_steps_and_cache_each():
+    model = load_model("tiny-wan22-a14b")
+    high, low = model.denoisers
+    assert high is model.pipe.transformer and low is model.pipe.transformer_2
+    # Shift 3 on 8 steps: timesteps >= 875 go to the high-noise expert.
+    assert model.expert_steps(8) == (3, 5)
+    calls = {"high": 0, "low": 0}
+    hooks = [
+        m.register_forward_pre_hook(lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
+        for k, m in (("high", high), ("low", low))
+    ]
+    try:
+        plain = _steps(model, 8)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert calls == {"high": 3 * 2, "low": 5 * 2}  # classifier-free guidance: 2 calls a step
+    # Both experts are batch invariant (their linear layers wrapped) and step-cached.
+    for expert in (high, low):
+        linear = next(m for m in expert.modules() if isinstance(m, torch.nn.Linear))
+        assert "forward" in vars(linear)
+    exact = _steps(model, 8, StepCacheConfig(True, residual_diff_threshold=0.0))
+    assert exact.cached_steps == 0 and np.array_equal(exact.frames[0], plain.frames[0])
+    cached = _steps(model, 8, CACHE)
+    assert 0 < cached.cached_steps < 8
+    assert "forward" in vars(high) and "forward" in vars(low)  # each its own cache-dit hook
+    again = _steps(model, 8)
+    assert again.cached_steps == 0 and np.array_equal(again.frames[0], plain.frames[0])
+
+
+def test_wan22_quantization_covers_both_experts():
+    model = load_model("tiny-wan22-a14b", LoadOptions(memory=MemoryOptions(quantization="int8wo")))
+    for expert in model.denoisers:
+        linears = [m for m in expert.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(type(m.weight).__name__ != "Parameter" for m in linears)
+    assert _steps(model, 2).frames[0].shape == (5, 32, 32, 3)
+
+
+def test_two_experts_are_refused_by_context_parallelism():
+    from genserve.multimodal_gen.context_parallel import check_supported
+
+    with pytest.raises(ValueError, match="switches between 2 denoisers"):
+        check_supported(load_model("tiny-wan22-a14b"), 2)
+    check_supported(load_model("tiny-wan22-ti2v"), 2)
