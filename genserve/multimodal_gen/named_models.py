@@ -91,6 +91,9 @@ ROWS = (
     _tiny("tiny-wan22-a14b", TEXT_TO_VIDEO, "wan:WanFamily",
           dict(_TINY_VIDEO, default_guidance=1.0, default_steps=4),
           "random-weight Wan 2.2 A14B (two experts switched by timestep)", _EMBEDDED_2026),
+    _tiny("tiny-hunyuan-video15", TEXT_TO_VIDEO, "hunyuan_video15:HunyuanVideo15Family",
+          dict(_TINY_VIDEO, default_width=32, default_height=32, default_num_frames=5),
+          "random-weight HunyuanVideo 1.5", _EMBEDDED_2026),
     # The streaming demo's architecture (a pixel-space Helios transformer) before training:
     # its weights are not trained to the model card's targets yet (docs/benchmarks.md).
     NamedModel("tiny-shapes-stream", "diffusion", TEXT_TO_VIDEO, "builder",

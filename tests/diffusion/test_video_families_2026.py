@@ -26,6 +26,8 @@ CACHE = StepCacheConfig(True, residual_diff_threshold=0.5)
 def _odd_latent_statistics(pipe) -> None:
     """Latent normalisation that is not the identity, saved with the folder."""
     vae = pipe.vae
+    if not hasattr(vae.config, "latents_mean"):
+        return  # HunyuanVideo 1.5: a scaling factor only (0.7 in the tiny model)
     c = vae.config.z_dim
     vae.register_to_config(
         latents_mean=np.linspace(-0.3, 0.4, c).tolist(),
@@ -37,6 +39,7 @@ def _odd_latent_statistics(pipe) -> None:
 FAMILIES = [
     ("tiny-wan22-ti2v", 64, 5, 2.0),
     ("tiny-wan22-a14b", 32, 5, 2.0),
+    ("tiny-hunyuan-video15", 32, 5, 2.5),
 ]
 
 
@@ -49,19 +52,27 @@ def test_family_equals_diffusers_alone_and_batched(name, size, frames, guidance,
     ref = diffusers.DiffusionPipeline.from_pretrained(tmp_path / name)
     ref.set_progress_bar_config(disable=True)
     kwargs = dict(height=size, width=size, num_frames=frames, guidance_scale=guidance)
-    want_alone = _reference(ref, ROWS[:1], **kwargs)
-    want_batch = _reference(ref, ROWS, **kwargs)
+    if name == "tiny-hunyuan-video15":  # guidance is the pipeline's guider component
+        ref.guider = ref.guider.new(guidance_scale=kwargs.pop("guidance_scale"))
+    # Each row of genserve's batch equals diffusers running that request alone.
+    want = [_reference(ref, [row], **kwargs)[0] for row in ROWS]
     got_alone = _product(model, ROWS[:1], size, frames, guidance)
     got_batch = _product(model, ROWS, size, frames, guidance)
     assert got_alone[0].shape == (frames, size, size, 3)
-    _assert_close(got_alone[0], want_alone[0], 255.0)
+    _assert_close(got_alone[0], want[0], 255.0)
     for i in range(len(ROWS)):
-        _assert_close(got_batch[i], want_batch[i], 255.0)
+        _assert_close(got_batch[i], want[i], 255.0)
     assert not np.array_equal(got_batch[0], got_batch[1])
+    if name != "tiny-hunyuan-video15":
+        # ... and diffusers' own batch (its HunyuanVideo 1.5 VAE cannot decode two videos at
+        # once: the causal attention mask of its mid block has the wrong rank for a batch).
+        want_batch = _reference(ref, ROWS, **kwargs)
+        for i in range(len(ROWS)):
+            _assert_close(got_batch[i], want_batch[i], 255.0)
 
 
-def _steps(model, steps: int, cache: StepCacheConfig = StepCacheConfig(), size: int = 32):
-    req = ResolvedRequest(
+def _request(steps: int, cache: StepCacheConfig = StepCacheConfig(), size: int = 32):
+    return ResolvedRequest(
         "r",
         "m",
         "a red cat",
@@ -80,7 +91,10 @@ def _steps(model, steps: int, cache: StepCacheConfig = StepCacheConfig(), size: 
         None,
         time.time(),
     )
-    return model.generate([req])
+
+
+def _steps(model, steps: int, cache: StepCacheConfig = StepCacheConfig(), size: int = 32):
+    return model.generate([_request(steps, cache, size)])
 
 
 def test_wan22_checkpoint_defaults():
@@ -135,3 +149,33 @@ def test_two_experts_are_refused_by_context_parallelism():
     with pytest.raises(ValueError, match="switches between 2 denoisers"):
         check_supported(load_model("tiny-wan22-a14b"), 2)
     check_supported(load_model("tiny-wan22-ti2v"), 2)
+
+
+def test_hunyuan_video15_reports_steps_caches_and_restores_its_guider():
+    from genserve.multimodal_gen.messages import StepDecision
+
+    model = load_model("tiny-hunyuan-video15")
+    assert model.spec.step_cache and model.spec.size_factor == 16
+    scale = model.pipe.guider.guidance_scale
+    seen = []
+
+    def on_step(step, total, tensors):
+        seen.append((step, total, tuple(tensors["latents"].shape) if tensors else None))
+        return StepDecision.CONTINUE
+
+    plain = model.generate([_request(4)], on_step)
+    # Step 0 before the loop, then one report per step with that step's latents.
+    assert seen == [(0, 4, None)] + [(i, 4, (1, 4, 2, 2, 2)) for i in (1, 2, 3, 4)]
+    assert model.pipe.guider.guidance_scale == scale  # the request's scale was for its call
+    assert "step" not in vars(model.pipe.scheduler)
+    stopped = model.generate(
+        [_request(4)],
+        lambda step, total, t: StepDecision.CANCEL if step == 1 else StepDecision.CONTINUE,
+    )
+    assert stopped.decision is StepDecision.CANCEL and stopped.frames == []
+    exact = model.generate([_request(8, StepCacheConfig(True, residual_diff_threshold=0.0))])
+    assert exact.cached_steps == 0
+    cached = model.generate([_request(8, CACHE)])
+    assert 0 < cached.cached_steps < 8
+    again = model.generate([_request(4)])
+    assert np.array_equal(again.frames[0], plain.frames[0])

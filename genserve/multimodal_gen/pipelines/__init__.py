@@ -20,6 +20,7 @@ from genserve.multimodal_gen.pipelines.flux import FluxFamily
 from genserve.multimodal_gen.pipelines.flux_edit import FluxFillFamily, FluxKontextFamily
 from genserve.multimodal_gen.pipelines.helios import HeliosFamily
 from genserve.multimodal_gen.pipelines.helios_pyramid import HeliosPyramidFamily
+from genserve.multimodal_gen.pipelines.hunyuan_video15 import HunyuanVideo15Family
 from genserve.multimodal_gen.pipelines.ltx import LTXFamily
 from genserve.multimodal_gen.pipelines.memory import (
     MemoryOptions,
@@ -40,6 +41,7 @@ FAMILIES: tuple[type[DiffusionFamily], ...] = (
     FluxFamily, FluxKontextFamily, FluxFillFamily, SD3Family, StableDiffusionFamily,
     StableDiffusionXLFamily, QwenImageFamily, QwenImageEditFamily, WanFamily,
     WanImageToVideoFamily, LTXFamily, HeliosFamily, HeliosPyramidFamily,
+    HunyuanVideo15Family,
 )
 
 
