@@ -84,16 +84,6 @@ ROWS = (
           dict(_TINY_HELIOS), "random-weight Helios, pyramid stages"),
     _tiny("tiny-helios-distilled", TEXT_TO_VIDEO, "helios_pyramid:HeliosPyramidFamily",
           dict(_TINY_HELIOS, default_steps=1), "random-weight Helios, distilled (DMD)"),
-    # The 2025-26 video families (embedded_video_2026.py).
-    _tiny("tiny-wan22-ti2v", TEXT_TO_VIDEO, "wan:WanFamily",
-          dict(_TINY_VIDEO, default_guidance=1.0),
-          "random-weight Wan 2.2 TI2V-5B (2.2 VAE, per-token timesteps)", _EMBEDDED_2026),
-    _tiny("tiny-wan22-a14b", TEXT_TO_VIDEO, "wan:WanFamily",
-          dict(_TINY_VIDEO, default_guidance=1.0, default_steps=4),
-          "random-weight Wan 2.2 A14B (two experts switched by timestep)", _EMBEDDED_2026),
-    _tiny("tiny-hunyuan-video15", TEXT_TO_VIDEO, "hunyuan_video15:HunyuanVideo15Family",
-          dict(_TINY_VIDEO, default_width=32, default_height=32, default_num_frames=5),
-          "random-weight HunyuanVideo 1.5", _EMBEDDED_2026),
     # The streaming demo's architecture (a pixel-space Helios transformer) before training:
     # its weights are not trained to the model card's targets yet (docs/benchmarks.md).
     NamedModel("tiny-shapes-stream", "diffusion", TEXT_TO_VIDEO, "builder",
@@ -102,6 +92,16 @@ ROWS = (
                pipeline=f"{_DEMO}.stream_model:ShapesStreamPipeline",
                spec=dict(max_num_frames=_STREAM_FRAMES),
                summary="random-weight shapes-stream (pixel-space Helios, streaming)"),
+    # The 2025-26 video families (embedded_video_2026.py).
+    _tiny("tiny-wan22-ti2v", TEXT_TO_VIDEO, "wan:WanFamily",
+          dict(_TINY_VIDEO, default_guidance=1.0),
+          "random-weight Wan 2.2 TI2V-5B (2.2 VAE, per-token timesteps)", _EMBEDDED_2026),
+    _tiny("tiny-wan22-a14b", TEXT_TO_VIDEO, "wan:WanFamily",
+          dict(_TINY_VIDEO, default_guidance=1.0),
+          "random-weight Wan 2.2 A14B (two experts switched by timestep)", _EMBEDDED_2026),
+    _tiny("tiny-hunyuan-video15", TEXT_TO_VIDEO, "hunyuan_video15:HunyuanVideo15Family",
+          dict(_TINY_VIDEO, default_width=32, default_height=32, default_num_frames=5),
+          "random-weight HunyuanVideo 1.5", _EMBEDDED_2026),
 )
 DIFFUSION_MODELS = NamedModelTable("diffusion", ROWS)
 
