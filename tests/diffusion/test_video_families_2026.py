@@ -101,6 +101,9 @@ def test_wan22_checkpoint_defaults():
     ti2v = load_model("tiny-wan22-ti2v")
     # The 2.2 VAE's 16x and the 2x2 transformer patch: sizes are multiples of 32.
     assert ti2v.spec.size_factor == 32 and ti2v.spec.family == "wan"
+    # 8 latent channels at 1/16 of 64 px; the cheap projection is fitted to the 2.2 VAE.
+    preview = ti2v.preview({"latents": torch.zeros(1, 8, 2, 4, 4)}, _request(2, size=64), False)
+    assert preview.shape == (5, 64, 64, 3)
     a14b = load_model("tiny-wan22-a14b")
     assert a14b.spec.size_factor == 16 and len(a14b.denoisers) == 2
 
@@ -179,3 +182,6 @@ def test_hunyuan_video15_reports_steps_caches_and_restores_its_guider():
     assert 0 < cached.cached_steps < 8
     again = model.generate([_request(4)])
     assert np.array_equal(again.frames[0], plain.frames[0])
+    for full in (False, True):
+        preview = model.preview({"latents": torch.zeros(1, 4, 2, 2, 2)}, _request(4), full)
+        assert preview.shape == (5, 32, 32, 3) and preview.dtype == np.uint8
