@@ -102,6 +102,9 @@ ROWS = (
     _tiny("tiny-hunyuan-video15", TEXT_TO_VIDEO, "hunyuan_video15:HunyuanVideo15Family",
           dict(_TINY_VIDEO, default_width=32, default_height=32, default_num_frames=5),
           "random-weight HunyuanVideo 1.5", _EMBEDDED_2026),
+    _tiny("tiny-ltx2", TEXT_TO_VIDEO, "ltx2:LTX2Family",
+          dict(_TINY_VIDEO, default_width=32, default_height=32, default_guidance=3.0),
+          "random-weight LTX-2, video only (its audio track is left out)", _EMBEDDED + "_ltx2"),
 )
 DIFFUSION_MODELS = NamedModelTable("diffusion", ROWS)
 

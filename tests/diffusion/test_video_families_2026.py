@@ -7,6 +7,7 @@ like the first."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import diffusers
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from genserve.multimodal_gen.embedded import build_embedded
-from genserve.multimodal_gen.messages import ResolvedRequest, StepCacheConfig
+from genserve.multimodal_gen.messages import ResolvedRequest, StepCacheConfig, StepDecision
 from genserve.multimodal_gen.pipelines import LoadOptions, load_model
 from genserve.multimodal_gen.pipelines.memory import MemoryOptions
 from tests.diffusion.test_vs_diffusers import ROWS, _assert_close, _product, _reference
@@ -26,6 +27,12 @@ CACHE = StepCacheConfig(True, residual_diff_threshold=0.5)
 def _odd_latent_statistics(pipe) -> None:
     """Latent normalisation that is not the identity, saved with the folder."""
     vae = pipe.vae
+    if isinstance(getattr(vae, "latents_mean", None), torch.Tensor):  # LTX-2: buffers
+        with torch.no_grad():
+            vae.latents_mean.copy_(torch.linspace(-0.3, 0.4, vae.latents_mean.numel()))
+            vae.latents_std.copy_(torch.linspace(0.5, 2.0, vae.latents_std.numel()))
+        vae.register_to_config(scaling_factor=0.7)
+        return
     if not hasattr(vae.config, "latents_mean"):
         return  # HunyuanVideo 1.5: a scaling factor only (0.7 in the tiny model)
     c = vae.config.z_dim
@@ -40,6 +47,7 @@ FAMILIES = [
     ("tiny-wan22-ti2v", 64, 5, 2.0),
     ("tiny-wan22-a14b", 32, 5, 2.0),
     ("tiny-hunyuan-video15", 32, 5, 2.5),
+    ("tiny-ltx2", 32, 9, 3.0),
 ]
 
 
@@ -54,6 +62,12 @@ def test_family_equals_diffusers_alone_and_batched(name, size, frames, guidance,
     kwargs = dict(height=size, width=size, num_frames=frames, guidance_scale=guidance)
     if name == "tiny-hunyuan-video15":  # guidance is the pipeline's guider component
         ref.guider = ref.guider.new(guidance_scale=kwargs.pop("guidance_scale"))
+    if name == "tiny-ltx2":
+        # What genserve passes: a request's fps (24 when it names none); no spatio-temporal
+        # guidance, whose block 28 a 2-layer transformer lacks.
+        kwargs.update(
+            frame_rate=24, spatio_temporal_guidance_blocks=None, stg_scale=0.0, audio_stg_scale=0.0
+        )
     # Each row of genserve's batch equals diffusers running that request alone.
     want = [_reference(ref, [row], **kwargs)[0] for row in ROWS]
     got_alone = _product(model, ROWS[:1], size, frames, guidance)
@@ -155,8 +169,6 @@ def test_two_experts_are_refused_by_context_parallelism():
 
 
 def test_hunyuan_video15_reports_steps_caches_and_restores_its_guider():
-    from genserve.multimodal_gen.messages import StepDecision
-
     model = load_model("tiny-hunyuan-video15")
     assert model.spec.step_cache and model.spec.size_factor == 16
     scale = model.pipe.guider.guidance_scale
@@ -185,3 +197,42 @@ def test_hunyuan_video15_reports_steps_caches_and_restores_its_guider():
     for full in (False, True):
         preview = model.preview({"latents": torch.zeros(1, 4, 2, 2, 2)}, _request(4), full)
         assert preview.shape == (5, 32, 32, 3) and preview.dtype == np.uint8
+
+
+def test_ltx2_video_steps_previews_and_no_step_cache():
+    model = load_model("tiny-ltx2")
+    assert model.spec.size_factor == 8 and model.spec.frame_rule == "8k+1"
+    seen = []
+
+    def on_step(step, total, tensors):
+        if tensors:  # a step's packed latents, unpacked and denormalized like the result
+            seen.append(tuple(tensors["latents"].shape))
+        return StepDecision.CONTINUE
+
+    req = ResolvedRequest(
+        "r",
+        "m",
+        "a red cat",
+        None,
+        32,
+        32,
+        9,
+        None,
+        2,
+        3.0,
+        (1,),
+        StepCacheConfig(),
+        False,
+        0,
+        None,
+        None,
+        time.time(),
+    )
+    plain = model.generate([req], on_step)
+    assert seen == [(1, 4, 2, 4, 4)] * 2 and plain.frames[0].shape == (9, 32, 32, 3)
+    preview = model.preview({"latents": torch.zeros(1, 4, 2, 4, 4)}, req, False)
+    assert preview.shape == (9, 32, 32, 3)
+    cached = model.generate([dataclasses.replace(req, num_inference_steps=8, step_cache=CACHE)])
+    # No step cache for LTX-2 (cache-dit's adapter does not take its transformer's
+    # arguments): the model says so, and a request asking for it runs uncached.
+    assert not model.spec.step_cache and cached.cached_steps == 0

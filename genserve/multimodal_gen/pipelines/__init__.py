@@ -22,6 +22,7 @@ from genserve.multimodal_gen.pipelines.helios import HeliosFamily
 from genserve.multimodal_gen.pipelines.helios_pyramid import HeliosPyramidFamily
 from genserve.multimodal_gen.pipelines.hunyuan_video15 import HunyuanVideo15Family
 from genserve.multimodal_gen.pipelines.ltx import LTXFamily
+from genserve.multimodal_gen.pipelines.ltx2 import LTX2Family
 from genserve.multimodal_gen.pipelines.memory import (
     MemoryOptions,
     place_pipeline,
@@ -41,7 +42,7 @@ FAMILIES: tuple[type[DiffusionFamily], ...] = (
     FluxFamily, FluxKontextFamily, FluxFillFamily, SD3Family, StableDiffusionFamily,
     StableDiffusionXLFamily, QwenImageFamily, QwenImageEditFamily, WanFamily,
     WanImageToVideoFamily, LTXFamily, HeliosFamily, HeliosPyramidFamily,
-    HunyuanVideo15Family,
+    HunyuanVideo15Family, LTX2Family,
 )
 
 
