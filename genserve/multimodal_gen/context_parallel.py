@@ -85,6 +85,10 @@ def check_supported(model: DiffusionFamily, size: int) -> None:
         raise ValueError(f"--diffusion-cp {size}: model {model.name!r} (family {model.family}) "
                          f"cannot be split over several devices; families that can: "
                          f"{', '.join(families)}")
+    if len(model.denoisers) > 1:
+        raise ValueError(f"--diffusion-cp {size}: model {model.name!r} switches between "
+                         f"{len(model.denoisers)} denoisers (experts) by timestep; only a "
+                         "single-denoiser model can be split over several devices")
     heads = int(getattr(model.denoiser.config, "num_attention_heads", 0) or 0)
     if heads % size:
         raise ValueError(f"--diffusion-cp {size} must divide the attention heads of model "

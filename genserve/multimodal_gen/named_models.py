@@ -20,6 +20,7 @@ from genserve.named_models import NamedModel, NamedModelTable
 
 _EMBEDDED = "genserve.multimodal_gen.embedded"
 _PIPELINES = "genserve.multimodal_gen.pipelines"
+_EMBEDDED_2026 = "genserve.multimodal_gen.embedded_video_2026"
 _DEMO = "genserve.demo_models"
 
 # Spec defaults of the embedded random-weight pipelines, sized for a CPU.
@@ -97,6 +98,19 @@ ROWS = (
                pipeline=f"{_DEMO}.stream_model:ShapesStreamPipeline",
                spec=dict(max_num_frames=_STREAM_FRAMES),
                summary="random-weight shapes-stream (pixel-space Helios, streaming)"),
+    # The 2025-26 video families (embedded_video_2026.py).
+    _tiny("tiny-wan22-ti2v", TEXT_TO_VIDEO, "wan:WanFamily",
+          dict(_TINY_VIDEO, default_guidance=1.0),
+          "random-weight Wan 2.2 TI2V-5B (2.2 VAE, per-token timesteps)", _EMBEDDED_2026),
+    _tiny("tiny-wan22-a14b", TEXT_TO_VIDEO, "wan:WanFamily",
+          dict(_TINY_VIDEO, default_guidance=1.0),
+          "random-weight Wan 2.2 A14B (two experts switched by timestep)", _EMBEDDED_2026),
+    _tiny("tiny-hunyuan-video15", TEXT_TO_VIDEO, "hunyuan_video15:HunyuanVideo15Family",
+          dict(_TINY_VIDEO, default_width=32, default_height=32, default_num_frames=5),
+          "random-weight HunyuanVideo 1.5", _EMBEDDED_2026),
+    _tiny("tiny-ltx2", TEXT_TO_VIDEO, "ltx2:LTX2Family",
+          dict(_TINY_VIDEO, default_width=32, default_height=32, default_guidance=3.0),
+          "random-weight LTX-2, video only (its audio track is left out)", _EMBEDDED + "_ltx2"),
 )
 DIFFUSION_MODELS = NamedModelTable("diffusion", ROWS)
 

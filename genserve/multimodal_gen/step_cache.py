@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -112,6 +113,25 @@ class DBCacheStepCache(StepCache):
         stats = cache_dit.summary(self.module, logging=False)
         # With separate CFG the unconditional pass has its own (parallel) cached steps.
         return max((len(s.cached_steps or []) for s in stats), default=0)
+
+
+class ExpertStepCaches(StepCache):
+    """One step cache per expert of a pipeline that switches denoisers by timestep (Wan 2.2
+    A14B): each expert keeps its own cache state over the steps it runs, `steps_of(n)` of them
+    out of `n`."""
+
+    def __init__(self, caches: list[StepCache],
+                 steps_of: Callable[[int], tuple[int, ...]]):
+        super().__init__(caches[0].module)
+        self.caches = caches
+        self.steps_of = steps_of
+
+    def configure(self, config, num_inference_steps, separate_cfg=False) -> None:
+        for cache, steps in zip(self.caches, self.steps_of(num_inference_steps), strict=True):
+            cache.configure(config, max(1, steps), separate_cfg=separate_cfg)
+
+    def cached_steps(self) -> int:
+        return sum(cache.cached_steps() for cache in self.caches)
 
 
 STEP_CACHES: dict[str, type[StepCache]] = {"none": NoStepCache, "dbcache": DBCacheStepCache}

@@ -21,7 +21,9 @@ from genserve.multimodal_gen.pipelines.flux2 import Flux2Family, Flux2KleinFamil
 from genserve.multimodal_gen.pipelines.flux_edit import FluxFillFamily, FluxKontextFamily
 from genserve.multimodal_gen.pipelines.helios import HeliosFamily
 from genserve.multimodal_gen.pipelines.helios_pyramid import HeliosPyramidFamily
+from genserve.multimodal_gen.pipelines.hunyuan_video15 import HunyuanVideo15Family
 from genserve.multimodal_gen.pipelines.ltx import LTXFamily
+from genserve.multimodal_gen.pipelines.ltx2 import LTX2Family
 from genserve.multimodal_gen.pipelines.memory import (
     MemoryOptions,
     place_pipeline,
@@ -42,7 +44,7 @@ FAMILIES: tuple[type[DiffusionFamily], ...] = (
     FluxFamily, FluxKontextFamily, FluxFillFamily, SD3Family, StableDiffusionFamily,
     StableDiffusionXLFamily, QwenImageFamily, QwenImageEditFamily, WanFamily,
     WanImageToVideoFamily, LTXFamily, HeliosFamily, HeliosPyramidFamily,
-    Flux2Family, Flux2KleinFamily, ZImageFamily,
+    Flux2Family, Flux2KleinFamily, ZImageFamily, HunyuanVideo15Family, LTX2Family,
 )
 
 
@@ -147,8 +149,11 @@ def _finish(family: type[DiffusionFamily], name: str, pipe, source: str, options
             device, overrides: dict | None = None) -> DiffusionFamily:
     """Quantize, place (or offload) and wrap a loaded pipeline, then load its LoRA adapters."""
     denoiser = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    # A two-expert pipeline (Wan 2.2 A14B) quantizes its low-noise expert alike.
+    experts = [m for m in (denoiser, getattr(pipe, "transformer_2", None)) if m is not None]
     if options.memory.quantization != "none":
-        if denoiser is None or not quantize_denoiser(denoiser, options.memory.quantization):
+        if not experts or not all(quantize_denoiser(m, options.memory.quantization)
+                                  for m in experts):
             raise ValueError(f"model {name}: {options.memory.quantization} quantization found "
                              "no linear layer to quantize in its denoiser")
     pipe = place_pipeline(pipe, device, options.memory)

@@ -22,7 +22,7 @@ import torch
 from genserve.multimodal_gen.batch_invariance import make_batch_invariant
 from genserve.multimodal_gen.messages import ModelSpec, ResolvedRequest, StepDecision
 from genserve.multimodal_gen.pipelines.position_tables import remember_relative_bias
-from genserve.multimodal_gen.step_cache import StepCache, make_step_cache
+from genserve.multimodal_gen.step_cache import ExpertStepCaches, StepCache, make_step_cache
 
 # on_step(step, total, tensors) -> StepDecision: step 0 before the first denoising step (tensors
 # empty), then after each step 1..total with tensors = {"latents": [B, C, F, h, w]}. Any decision
@@ -76,16 +76,19 @@ class DiffusionFamily(ABC):
             **{**self.spec_defaults, **self.checkpoint_defaults(), **(spec_overrides or {})},
         )
         # Before the step cache: cache-dit wraps the denoiser's forward, we wrap its layers.
-        make_batch_invariant(self.denoiser)
+        for denoiser in self.denoisers:
+            make_batch_invariant(denoiser)
         encoder = getattr(getattr(pipe, "vae", None), "encoder", None)
         if self.max_reference_images and isinstance(encoder, torch.nn.Module):
             make_batch_invariant(encoder)  # reference images may be encoded once per row
         channels_last_vae(getattr(pipe, "vae", None))
         for component in pipe.components.values():
-            if isinstance(component, torch.nn.Module) and component is not self.denoiser:
+            if isinstance(component, torch.nn.Module) and component not in self.denoisers:
                 remember_relative_bias(component)  # T5 / UMT5 text encoders
-        self.step_cache: StepCache = make_step_cache(self.step_cache_kind, self.denoiser,
-                                                       self.cache_blocks)
+        caches = [make_step_cache(self.step_cache_kind, d, self.cache_blocks)
+                  for d in self.denoisers]
+        self.step_cache: StepCache = (caches[0] if len(caches) == 1
+                                      else ExpertStepCaches(caches, self.expert_steps))
         self.lora_adapters: tuple[str, ...] = ()  # loaded adapters (pipelines/lora.py)
         self.active_loras: tuple[tuple[str, float], ...] = ()
         self._img2img: Any = None
@@ -97,12 +100,24 @@ class DiffusionFamily(ABC):
         return self.pipe.transformer
 
     @property
+    def denoisers(self) -> tuple[torch.nn.Module, ...]:
+        """Every denoiser the pipeline calls: `denoiser`, then the low-noise expert of a
+        two-expert pipeline (Wan 2.2 A14B's `transformer_2`, switched to by timestep)."""
+        second = getattr(self.pipe, "transformer_2", None)
+        return (self.denoiser,) if second is None else (self.denoiser, second)
+
+    @property
     def device(self) -> torch.device:
         if self._device is None:  # walks every module: look it up once
             self._device = self.pipe._execution_device
         return self._device
 
     # ---- per-family pieces ----
+
+    def expert_steps(self, num_inference_steps: int) -> tuple[int, ...]:
+        """How many of `num_inference_steps` steps each of `denoisers` runs (a two-expert
+        family overrides it)."""
+        return (num_inference_steps,)
 
     def checkpoint_defaults(self) -> dict[str, Any]:
         """ModelSpec defaults this checkpoint's own config implies (a distilled model's step
@@ -239,19 +254,19 @@ class DiffusionFamily(ABC):
         pipe.progress_bar = open_step_loop
         try:
             with torch.inference_mode():
-                out = pipe(
-                    prompt=prompts,
-                    num_inference_steps=head.num_inference_steps,
-                    generator=generators,
-                    output_type="latent",
-                    return_dict=False,
-                    callback_on_step_end=callback,
-                    callback_on_step_end_tensor_inputs=["latents"],
-                    **kwargs,
-                )
+                out = self._call_pipeline(pipe, callback, prompt=prompts,
+                                          num_inference_steps=head.num_inference_steps,
+                                          generator=generators, output_type="latent",
+                                          return_dict=False, **kwargs)
         finally:
             del pipe.progress_bar
         return out[0], decision
+
+    def _call_pipeline(self, pipe: Any, callback: Callable, **kwargs: Any) -> Any:
+        """Call `pipe` with `kwargs`, `callback(pipe, i, t, {"latents": ...})` after each step.
+        A pipeline without diffusers' step-end callback overrides this."""
+        return pipe(callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["latents"],
+                    **kwargs)
 
     def _img2img_pipeline(self) -> Any:
         if self._img2img is None:

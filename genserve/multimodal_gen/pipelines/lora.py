@@ -32,7 +32,8 @@ def load_adapters(model: Any, adapters: tuple[tuple[str, str], ...]) -> None:
             raise ValueError(f"LoRA adapter {name!r} ({path}) does not fit model {model.name}: "
                              "none of its weights name a layer of this model")
     # The adapters' own linear layers join the batch-invariant denoiser (see base.py).
-    make_batch_invariant(model.denoiser)
+    for denoiser in model.denoisers:
+        make_batch_invariant(denoiser)
     pipe.disable_lora()
     model.lora_adapters = tuple(sorted({*model.lora_adapters, *(n for n, _ in adapters)}))
     model.spec = dataclasses.replace(model.spec, lora_adapters=model.lora_adapters)
