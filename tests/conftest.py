@@ -62,6 +62,10 @@ def _xdist_groups(items) -> dict:
             else find(item.nodeid.split("::", 1)[0]) for item in items}
 
 
+# tryfirst: pytest-xdist's worker reads the `xdist_group` marks in its own hook of the same
+# name (registered after this conftest, so called before it): marks added later are ignored
+# and `--dist loadgroup` spreads a module's tests, each worker starting its servers again.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     groups = _xdist_groups(items)
     for item in items:
