@@ -100,3 +100,15 @@ def smol_api_server() -> Iterator[str]:
                        "--api-key", SMOL_API_KEY) as url:
         yield url
 
+
+@pytest.fixture(scope="session")
+def shapes_demo_server() -> Iterator[str]:
+    """`genserve serve --model-path shapes-vl --diffusion-model-path shapes-image` with the
+    runtime's own KV pool size, started once for the modules that use the demo models this way
+    (the memory plan, the Responses image tool); yields its URL."""
+    from tests.serve_process import serve_process
+
+    with serve_process("--model-path", "shapes-vl", "--diffusion-model-path", "shapes-image",
+                       diffusion=True) as url:
+        yield url
+
