@@ -13,7 +13,8 @@ from genserve import envs  # noqa: E402
 # Session fixtures that start a server, an engine or a worker: the modules using one run in
 # the same pytest-xdist worker (see `pytest_collection_modifyitems`), so each starts once.
 SHARED_RUNTIMES = ("shared_real_server", "smol_engine", "server_url", "engine_backend",
-                   "diffusion_client", "smol_api_server", "shapes_demo_server")
+                   "diffusion_client", "smol_api_server", "shapes_demo_server",
+                   "default_models_server")
 
 
 def _test_threads() -> int:

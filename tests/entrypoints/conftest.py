@@ -112,3 +112,12 @@ def shapes_demo_server() -> Iterator[str]:
                        diffusion=True) as url:
         yield url
 
+
+@pytest.fixture(scope="session")
+def default_models_server() -> Iterator[str]:
+    """`genserve serve --max-total-tokens 4096` with no model argument (SmolLM2 and shapes-vl),
+    started once for the modules that ask shapes-vl by name; yields its URL."""
+    from tests.serve_process import serve_process
+
+    with serve_process("--max-total-tokens", "4096") as url:
+        yield url
