@@ -83,3 +83,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def server_url():
+    """`genserve serve` on the embedded SmolLM2 alone (16384 KV tokens, no API key), for the
+    genserve.lang programs' HTTP backend and the LLM-only web UI; yields its URL."""
+    from tests.needs import smollm2_folder
+    from tests.serve_process import serve_process
+
+    # Only the embedded SmolLM2 (its GGUF named), not the default second LLM (shapes-vl).
+    gguf = smollm2_folder() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with serve_process("--model-path", str(gguf), "--max-total-tokens", "16384") as url:
+        yield url
+
