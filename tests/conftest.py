@@ -14,7 +14,7 @@ from genserve import envs  # noqa: E402
 # the same pytest-xdist worker (see `pytest_collection_modifyitems`), so each starts once.
 SHARED_RUNTIMES = ("shared_real_server", "smol_engine", "server_url", "engine_backend",
                    "diffusion_client", "smol_api_server", "shapes_demo_server",
-                   "default_models_server")
+                   "default_models_server", "smol_reference")
 
 
 def _test_threads() -> int:
@@ -96,4 +96,30 @@ def server_url():
     gguf = smollm2_folder() / "SmolLM2-135M-Instruct.Q4_1.gguf"
     with serve_process("--model-path", str(gguf), "--max-total-tokens", "16384") as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def smol_reference():
+    """The unquantized embedded SmolLM2 (float32, 8192 KV tokens) that quantized and default
+    servings are held to: (its dtype, the prompts, its greedy continuations of them, its own
+    teacher-forced scores), from tests/srt/test_quantization.py's helpers. Its engine is shut
+    down first: one torch process at a time."""
+    from genserve import Engine
+    from tests.needs import smollm2_folder
+    from tests.srt.test_quantization import (
+        SMOL_NEW_TOKENS,
+        greedy_continuations,
+        smol_prompts,
+        teacher_forced,
+    )
+
+    gguf = smollm2_folder() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    engine = Engine(str(gguf), dtype="float32", max_total_tokens=8192)
+    try:
+        dtype = engine.model_info()["dtype"]
+        prompts = smol_prompts(engine.tokenizer)
+        seqs = greedy_continuations(engine, prompts, SMOL_NEW_TOKENS)
+        return dtype, prompts, seqs, teacher_forced(engine, prompts, seqs)
+    finally:
+        engine.shutdown()
 
