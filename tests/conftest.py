@@ -123,3 +123,14 @@ def smol_reference():
     finally:
         engine.shutdown()
 
+
+@pytest.fixture(scope="session")
+def shapes_demo_server():
+    """`genserve serve` on the demo models: shapes-vl, shapes-image and shapes-video, with the
+    runtime's own KV pool size, started once for the modules that use them this way (the
+    memory plan, the Responses image tool, the web UI's chat panel); yields its URL."""
+    from tests.serve_process import serve_process
+
+    with serve_process("--model-path", "shapes-vl", "--diffusion-model-path", "shapes-image",
+                       "--diffusion-model-path", "shapes-video", diffusion=True) as url:
+        yield url

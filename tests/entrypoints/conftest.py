@@ -102,18 +102,6 @@ def smol_api_server() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def shapes_demo_server() -> Iterator[str]:
-    """`genserve serve --model-path shapes-vl --diffusion-model-path shapes-image` with the
-    runtime's own KV pool size, started once for the modules that use the demo models this way
-    (the memory plan, the Responses image tool); yields its URL."""
-    from tests.serve_process import serve_process
-
-    with serve_process("--model-path", "shapes-vl", "--diffusion-model-path", "shapes-image",
-                       diffusion=True) as url:
-        yield url
-
-
-@pytest.fixture(scope="session")
 def default_models_server() -> Iterator[str]:
     """`genserve serve --max-total-tokens 4096` with no model argument (SmolLM2 and shapes-vl),
     started once for the modules that ask shapes-vl by name; yields its URL."""

@@ -27,7 +27,7 @@ TOOL = {"type": "image_generation", "size": "128x128", "seed": 1}
 
 @pytest.fixture(scope="module")
 def client(shapes_demo_server):
-    """A client of the session's shapes-vl + shapes-image server."""
+    """A client of the session's demo-model server (shapes-image is its text-to-image one)."""
     return openai.OpenAI(base_url=shapes_demo_server + "/v1", api_key="none", max_retries=0,
                          timeout=120)
 
