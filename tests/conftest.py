@@ -13,7 +13,8 @@ from genserve import envs  # noqa: E402
 # Session fixtures that start a server, an engine or a worker: the modules using one run in
 # the same pytest-xdist worker (see `pytest_collection_modifyitems`), so each starts once.
 SHARED_RUNTIMES = ("shared_real_server", "smol_engine", "server_url", "engine_backend",
-                   "diffusion_client")
+                   "diffusion_client", "smol_api_server", "shapes_demo_server",
+                   "default_models_server", "smol_reference")
 
 
 def _test_threads() -> int:
@@ -62,6 +63,10 @@ def _xdist_groups(items) -> dict:
             else find(item.nodeid.split("::", 1)[0]) for item in items}
 
 
+# tryfirst: pytest-xdist's worker reads the `xdist_group` marks in its own hook of the same
+# name (registered after this conftest, so called before it): marks added later are ignored
+# and `--dist loadgroup` spreads a module's tests, each worker starting its servers again.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     groups = _xdist_groups(items)
     for item in items:
@@ -78,3 +83,54 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def server_url():
+    """`genserve serve` on the embedded SmolLM2 alone (16384 KV tokens, no API key), for the
+    genserve.lang programs' HTTP backend and the LLM-only web UI; yields its URL."""
+    from tests.needs import smollm2_folder
+    from tests.serve_process import serve_process
+
+    # Only the embedded SmolLM2 (its GGUF named), not the default second LLM (shapes-vl).
+    gguf = smollm2_folder() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with serve_process("--model-path", str(gguf), "--max-total-tokens", "16384") as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def smol_reference():
+    """The unquantized embedded SmolLM2 (float32, 8192 KV tokens) that quantized and default
+    servings are held to: (its dtype, the prompts, its greedy continuations of them, its own
+    teacher-forced scores), from tests/srt/test_quantization.py's helpers. Its engine is shut
+    down first: one torch process at a time."""
+    from genserve import Engine
+    from tests.needs import smollm2_folder
+    from tests.srt.test_quantization import (
+        SMOL_NEW_TOKENS,
+        greedy_continuations,
+        smol_prompts,
+        teacher_forced,
+    )
+
+    gguf = smollm2_folder() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    engine = Engine(str(gguf), dtype="float32", max_total_tokens=8192)
+    try:
+        dtype = engine.model_info()["dtype"]
+        prompts = smol_prompts(engine.tokenizer)
+        seqs = greedy_continuations(engine, prompts, SMOL_NEW_TOKENS)
+        return dtype, prompts, seqs, teacher_forced(engine, prompts, seqs)
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shapes_demo_server():
+    """`genserve serve` on the demo models: shapes-vl, shapes-image and shapes-video, with the
+    runtime's own KV pool size, started once for the modules that use them this way (the
+    memory plan, the Responses image tool, the web UI's chat panel); yields its URL."""
+    from tests.serve_process import serve_process
+
+    with serve_process("--model-path", "shapes-vl", "--diffusion-model-path", "shapes-image",
+                       "--diffusion-model-path", "shapes-video", diffusion=True) as url:
+        yield url

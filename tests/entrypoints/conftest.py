@@ -83,3 +83,29 @@ def shared_real_server(tmp_path_factory) -> Iterator[Any]:
     finally:
         live.stop()
         mp.undo()
+
+
+SMOL_API_KEY = "client-api-test-key"
+
+
+@pytest.fixture(scope="session")
+def smol_api_server() -> Iterator[str]:
+    """`genserve serve` on the embedded SmolLM2 alone (4096 KV tokens, `--api-key
+    SMOL_API_KEY`), started once for the modules that test a client protocol against it
+    (Anthropic, Ollama, Responses); yields its URL."""
+    from tests.needs import smollm2_folder
+    from tests.serve_process import serve_process
+
+    with serve_process("--model-path", str(smollm2_folder()), "--max-total-tokens", "4096",
+                       "--api-key", SMOL_API_KEY) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def default_models_server() -> Iterator[str]:
+    """`genserve serve --max-total-tokens 4096` with no model argument (SmolLM2 and shapes-vl),
+    started once for the modules that ask shapes-vl by name; yields its URL."""
+    from tests.serve_process import serve_process
+
+    with serve_process("--max-total-tokens", "4096") as url:
+        yield url

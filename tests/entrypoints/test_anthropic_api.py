@@ -15,12 +15,11 @@ import jsonschema
 import pytest
 from PIL import Image
 
-from tests.needs import smollm2_folder
-from tests.serve_process import serve_process
+from tests.entrypoints.conftest import SMOL_API_KEY
 
 pytestmark = pytest.mark.slow
 
-KEY = "anthropic-test-key"
+KEY = SMOL_API_KEY
 # This client has no `temperature` argument (the API still takes the field): sent as extra body.
 GREEDY = {"extra_body": {"temperature": 0}}
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
@@ -31,10 +30,8 @@ WEATHER = {"name": "get_weather", "description": "Current weather in a city.",
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serve_process("--model-path", str(smollm2_folder()), "--max-total-tokens", "4096",
-                       "--api-key", KEY) as url:
-        yield url
+def server(smol_api_server: str) -> str:
+    return smol_api_server  # the session's SmolLM2 server, --api-key KEY
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import ollama
 import pytest
 
 from genserve.demo_models import world
-from tests.serve_process import serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +27,8 @@ def png_b64(scene: world.Scene) -> str:
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serve_process("--model-path", "shapes-vl", "--max-total-tokens", "4096") as url:
-        yield url
+def server(default_models_server: str) -> str:
+    return default_models_server  # the session's default server: shapes-vl beside SmolLM2
 
 
 def test_anthropic_image_block(server):

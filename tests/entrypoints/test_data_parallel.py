@@ -42,11 +42,13 @@ def _wait(predicate, timeout: float, what: str, state=lambda: None) -> None:
 @pytest.fixture(scope="module")
 def cluster():
     """`genserve serve --dp 2` (round_robin) on a free port run; yields (router url, replica
-    urls, launcher process)."""
+    urls, launcher process). Each replica serves SmolLM2 alone: the defaults would load the
+    vision demo model into every replica too, which no test here asks."""
     port = free_port()  # with the 3 ports above it free
     log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--dp", "2",
+         "--model-path", "SmolLM2-135M-Instruct",
          "--router-policy", "round_robin", "--port", str(port), "--dtype", "float32",
          "--num-threads", "1", "--max-total-tokens", "8192", "--no-compile",
          "--quantization", "none"],

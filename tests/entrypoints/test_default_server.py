@@ -9,16 +9,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from genserve import Engine
 from tests.needs import smollm2_folder
 from tests.serve_process import serve_subprocess
-from tests.srt.test_quantization import (
-    SMOL_NEW_TOKENS,
-    agreement_and_drift,
-    greedy_continuations,
-    smol_prompts,
-    teacher_forced,
-)
+from tests.srt.test_quantization import agreement_and_drift, teacher_forced
 
 pytestmark = pytest.mark.slow
 
@@ -26,16 +19,11 @@ GGUF = smollm2_folder(module_level=True) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(smol_reference):
     """The unquantized model's dtype, the prompts, its greedy continuations and its own scores
-    of them (computed before the server starts: one torch process at a time)."""
-    engine = Engine(str(GGUF), dtype="float32", max_total_tokens=8192)
-    dtype = engine.model_info()["dtype"]
-    prompts = smol_prompts(engine.tokenizer)
-    seqs = greedy_continuations(engine, prompts, SMOL_NEW_TOKENS)
-    scores = teacher_forced(engine, prompts, seqs)
-    engine.shutdown()
-    return dtype, prompts, seqs, scores
+    of them (the session's, computed before the server starts: one torch process at a time;
+    tests/srt/test_quantization.py holds its modes to the same)."""
+    return smol_reference
 
 
 class _HTTPScorer:

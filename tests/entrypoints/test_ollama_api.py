@@ -15,12 +15,11 @@ import ollama
 import pytest
 from PIL import Image
 
-from tests.needs import smollm2_folder
-from tests.serve_process import serve_process
+from tests.entrypoints.conftest import SMOL_API_KEY
 
 pytestmark = pytest.mark.slow
 
-KEY = "ollama-test-key"
+KEY = SMOL_API_KEY
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "num_predict": 30}
@@ -31,10 +30,8 @@ PERSON = {"type": "object",
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serve_process("--model-path", str(smollm2_folder()), "--max-total-tokens", "4096",
-                       "--api-key", KEY) as url:
-        yield url
+def server(smol_api_server: str) -> str:
+    return smol_api_server  # the session's SmolLM2 server, --api-key KEY
 
 
 @pytest.fixture(scope="module")

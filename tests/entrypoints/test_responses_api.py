@@ -13,13 +13,13 @@ import jsonschema
 import openai
 import pytest
 
-from tests.needs import smollm2_folder
-from tests.serve_process import serve_process
+from tests.entrypoints.conftest import SMOL_API_KEY
 
 pytestmark = pytest.mark.slow
 
 ASK = "What is the capital of France?"
 SYSTEM = "You are a helpful assistant."
+AUTH = {"Authorization": f"Bearer {SMOL_API_KEY}"}
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city.",
            "parameters": {"type": "object",
                           "properties": {"city": {"type": "string", "maxLength": 30}},
@@ -27,20 +27,19 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serve_process("--model-path", str(smollm2_folder()), "--max-total-tokens",
-                       "4096") as url:
-        yield url
+def server(smol_api_server: str) -> str:
+    return smol_api_server  # the session's SmolLM2 server, --api-key SMOL_API_KEY
 
 
 @pytest.fixture(scope="module")
 def model(server) -> str:
-    return httpx.get(server + "/v1/models").json()["data"][0]["id"]
+    return httpx.get(server + "/v1/models", headers=AUTH).json()["data"][0]["id"]
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server + "/v1", api_key=SMOL_API_KEY, max_retries=0,
+                         timeout=120)
 
 
 def _chat(client, model, messages, max_tokens):
@@ -171,12 +170,12 @@ def test_retrieve_delete_and_store_false(server, client, model):
                                 previous_response_id=unstored.id)
     assert err.value.body["type"] == "not_found_error"
     assert err.value.body["param"] == "previous_response_id"
-    assert httpx.get(f"{server}/v1/responses/{unstored.id}").status_code == 404
+    assert httpx.get(f"{server}/v1/responses/{unstored.id}", headers=AUTH).status_code == 404
 
 
 def test_bad_input_in_openai_envelope(server, client, model):
     def post(body):
-        r = httpx.post(server + "/v1/responses", json=body, timeout=60)
+        r = httpx.post(server + "/v1/responses", json=body, headers=AUTH, timeout=60)
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
         return r
 

@@ -16,7 +16,6 @@ from PIL import Image
 
 from genserve.demo_models import scorer, vl_data, world
 from genserve.demo_models.vl_model import TOKENS_PER_IMAGE
-from tests.serve_process import serve_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -27,10 +26,10 @@ TOOL = {"type": "image_generation", "size": "128x128", "seed": 1}
 
 
 @pytest.fixture(scope="module")
-def client():
-    with serve_process("--model-path", "shapes-vl", "--diffusion-model-path", "shapes-image",
-                       "--max-total-tokens", "4096", diffusion=True) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+def client(shapes_demo_server):
+    """A client of the session's demo-model server (shapes-image is its text-to-image one)."""
+    return openai.OpenAI(base_url=shapes_demo_server + "/v1", api_key="none", max_retries=0,
+                         timeout=120)
 
 
 def _png(b64: str) -> np.ndarray:

@@ -12,7 +12,6 @@ import pytest
 
 from genserve.demo_models import vl_data, world
 from genserve.demo_models.vl_model import TOKENS_PER_IMAGE
-from tests.serve_process import serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -37,9 +36,8 @@ def content(url: str, question: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serve_process("--max-total-tokens", "4096") as url:  # no model argument
-        yield url
+def server(default_models_server: str) -> str:
+    return default_models_server  # the session's server started with no model argument
 
 
 def test_served_by_default_with_image_input(server):

@@ -1,7 +1,9 @@
 """`genserve serve --model-path <tiny Qwen2-VL folder>` as a user runs it: the official openai
 client sends base64 images and gets Hugging Face's greedy tokens, native /generate takes
 image_data, concurrent image and text requests stay exact, every bad image input is a 400 in
-the error envelope, and the server keeps serving without leaking."""
+the error envelope, and the server keeps serving without leaking. The module's one server
+serves the tiny Qwen2.5-VL and LLaVA folders next to it (the first model is Qwen2-VL, the one
+an unnamed request gets)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import sys
 import httpx
 import pytest
 
-from tests.serve_process import serve_process, serve_subprocess
+from tests.serve_process import serve_subprocess
 from tests.srt.vlm_models import hf_reference, make_tiny_llava, make_tiny_qwen2_vl, png_bytes
 
 pytestmark = pytest.mark.slow
@@ -31,16 +33,29 @@ def vlm_folder(tmp_path_factory):
     return make_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))
 
 
-def serve(folder, *flags: str):
-    """`genserve serve --model-path folder` in a subprocess; yields its URL."""
-    return serve_process("--model-path", str(folder), "--max-total-tokens", "4096", *flags)
+@pytest.fixture(scope="module")
+def other_folders(tmp_path_factory) -> dict:
+    """The other architectures' tiny folders, by name."""
+    root = tmp_path_factory.mktemp("tiny-other-vlms")
+    return {"qwen2_5_vl": make_tiny_qwen2_vl(root / "qwen2_5_vl", "qwen2_5_vl"),
+            "llava-clip": make_tiny_llava(root / "llava-clip")}
 
 
 @pytest.fixture(scope="module")
-def server(vlm_folder):
-    with serve(vlm_folder, "--max-images-per-request", "3", "--max-image-bytes", "60000",
-               "--allowed-image-domains", "localhost") as url:
-        yield url
+def served(vlm_folder, other_folders):
+    """(the `genserve serve` process, its URL): Qwen2-VL first, then the other folders."""
+    others = [flag for folder in other_folders.values()
+              for flag in ("--model-path", str(folder))]
+    with serve_subprocess("--no-diffusion", "--model-path", str(vlm_folder), *others,
+                          "--max-total-tokens", "4096", "--max-images-per-request", "3",
+                          "--max-image-bytes", "60000",
+                          "--allowed-image-domains", "localhost") as (proc, url):
+        yield proc, url
+
+
+@pytest.fixture(scope="module")
+def server(served) -> str:
+    return served[1]
 
 
 @pytest.fixture(scope="module")
@@ -75,22 +90,21 @@ def _maps_torch(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/maps")
-def test_the_gateway_process_stays_torch_free_while_serving_images(vlm_folder):
+def test_the_gateway_process_stays_torch_free_while_serving_images(vlm_folder, served):
     """Image preprocessing runs in the scheduler process; the gateway only reads image sizes."""
     import psutil
 
-    with serve_subprocess("--no-diffusion", "--model-path", str(vlm_folder),
-                          "--max-total-tokens", "4096") as (proc, url):
-        content = [{"type": "image_url", "image_url": {"url": data_url(IMG_B)}},
-                   {"type": "text", "text": "what is the color of the shape ?"}]
-        body = {"model": vlm_folder.name, "max_tokens": 4,
-                "messages": [{"role": "user", "content": content}]}
-        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        assert not _maps_torch(proc.pid), "the gateway process imported torch"
-        # The check can fail: the scheduler process (a child) runs the model on torch.
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert any(_maps_torch(c.pid) for c in children)
+    proc, url = served
+    content = [{"type": "image_url", "image_url": {"url": data_url(IMG_B)}},
+               {"type": "text", "text": "what is the color of the shape ?"}]
+    body = {"model": vlm_folder.name, "max_tokens": 4,
+            "messages": [{"role": "user", "content": content}]}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert not _maps_torch(proc.pid), "the gateway process imported torch"
+    # The check can fail: the scheduler process (a child) runs the model on torch.
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert any(_maps_torch(c.pid) for c in children)
 
 
 def test_openai_client_sends_images_and_gets_hf_tokens(server, hf):
@@ -180,14 +194,11 @@ def test_bad_image_inputs_are_400_and_the_server_keeps_serving(server):
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava-clip"])
-def test_other_architectures_over_http_equal_hf(arch, tmp_path):
+def test_other_architectures_over_http_equal_hf(arch, other_folders, server):
     import openai
     import transformers as tf
 
-    if arch == "llava-clip":
-        folder = make_tiny_llava(tmp_path / arch)
-    else:
-        folder = make_tiny_qwen2_vl(tmp_path / arch, arch)
+    folder = other_folders[arch]
     tok = tf.AutoTokenizer.from_pretrained(folder)
     content = ["compare", IMG_B, "and", IMG_C, "?"]
     parts = [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p}
@@ -195,15 +206,15 @@ def test_other_architectures_over_http_equal_hf(arch, tmp_path):
     text = tok.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
                                    add_generation_prompt=True)
     ref = hf_reference(folder, tok.encode(text), [IMG_B, IMG_C], 32)
-    with serve(folder) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
-        model = client.models.list().data[0].id
-        r = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": openai_content(content)}],
-            max_tokens=32, temperature=0, extra_body={"ignore_eos": True})
-        assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
-        native = httpx.post(url + "/generate", timeout=120, json={
-            "text": text, "image_data": [data_url(IMG_B), data_url(IMG_C)],
-            "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}})
-        assert native.status_code == 200, native.text
-        assert native.json()["output_ids"] == ref
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none")
+    model = folder.name
+    assert model in [m.id for m in client.models.list().data]
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": openai_content(content)}],
+        max_tokens=32, temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
+    native = httpx.post(server + "/generate", timeout=120, json={
+        "model": model, "text": text, "image_data": [data_url(IMG_B), data_url(IMG_C)],
+        "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}})
+    assert native.status_code == 200, native.text
+    assert native.json()["output_ids"] == ref

@@ -8,18 +8,14 @@ import httpx
 import pytest
 from playwright import sync_api
 
-from tests.needs import smollm2_folder
 from tests.realtime.browser import launch_chromium
-from tests.serve_process import serve_process
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serve_process("--model-path", str(smollm2_folder()), "--max-total-tokens",
-                       "2048") as url:
-        yield url
+def server(server_url: str) -> str:
+    return server_url  # the session's SmolLM2-only server (tests/conftest.py)
 
 
 def test_the_page_and_its_files_are_served(server):

@@ -13,7 +13,6 @@ from playwright import sync_api
 
 from genserve.demo_models import world
 from tests.realtime.browser import launch_chromium
-from tests.serve_process import serve_process
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -24,19 +23,8 @@ SCENE = world.held_out(False)[1]
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serve_process(
-        "--model-path",
-        "shapes-vl",
-        "--diffusion-model-path",
-        "shapes-image",
-        "--diffusion-model-path",
-        "shapes-video",
-        "--max-total-tokens",
-        "4096",
-        diffusion=True,
-    ) as url:
-        yield url
+def server(shapes_demo_server: str) -> str:
+    return shapes_demo_server  # the session's shapes-vl, shapes-image, shapes-video server
 
 
 def generate_png(server: str) -> bytes:

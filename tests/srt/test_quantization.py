@@ -155,14 +155,11 @@ def smol_prompts(tok) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def smol_ref():
-    """The unquantized SmolLM2 (float32), its greedy continuations of the prompts and its own
-    teacher-forced scores of them."""
-    engine = Engine(dtype="float32", max_total_tokens=8192)
-    prompts = smol_prompts(engine.tokenizer)
-    seqs = greedy_continuations(engine, prompts, SMOL_NEW_TOKENS)
-    yield engine, prompts, seqs, teacher_forced(engine, prompts, seqs)
-    engine.shutdown()
+def smol_ref(smol_reference):
+    """The unquantized SmolLM2 (float32): its dtype, the prompts, its greedy continuations and
+    its own teacher-forced scores of them (the session's, shared with the default server's
+    test in tests/entrypoints/test_default_server.py)."""
+    return smol_reference
 
 
 # int8wo is the mode `--quantization auto` picks for a quantized GGUF: held to the bar and to

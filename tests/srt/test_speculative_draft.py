@@ -259,10 +259,14 @@ def test_a_draft_with_another_tokenizer_is_refused():
 
 @pytest.mark.slow
 def test_the_benchmark_smoke_run_compares_both_algorithms():
+    """On the tiny random chat model: the run's steps and summary, not SmolLM2's answers."""
+    from genserve.bench.tiny import tiny_chat_model
+
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "bench_speculative.py"),
-         "--algorithms", "ngram,draft", "--smoke", "--sets", "grounded"],
+         "--algorithms", "ngram,draft", "--smoke", "--sets", "grounded",
+         "--model", str(tiny_chat_model())],
         capture_output=True, text=True, timeout=600, cwd=root, check=True)
     summary = json.loads(proc.stdout[proc.stdout.index("\n{") + 1:])
     for algorithm in ("ngram", "draft"):
