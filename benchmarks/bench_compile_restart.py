@@ -4,7 +4,8 @@
     python benchmarks/bench_compile_restart.py -- --model-path F.gguf
     python benchmarks/bench_compile_restart.py --smoke   # a tiny model, eager: checks the script
 
-Starts `genserve serve --no-diffusion` (plus the flags after `--`) three times, one at a time,
+Starts `genserve serve --no-diffusion` (`--with-diffusion`: the whole default server, its
+diffusion models too; plus the flags after `--`) three times, one at a time,
 and measures from launching the process to the first streamed token of a chat request:
 - `first`: empty compile caches (genserve's and torch's own, both in fresh folders): the full
   compile;
@@ -55,7 +56,7 @@ def start_once(flags: list[str], env: dict[str, str], timeout: float) -> dict:
     with tempfile.TemporaryFile("w+") as log:
         t0 = time.perf_counter()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-diffusion",
+            [sys.executable, "-m", "genserve.entrypoints.cli", "serve",
              "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             deadline = time.monotonic() + timeout
@@ -91,6 +92,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny random model, eager, float32 (no compile, so no cache hit): "
                     "the three starts of one round, to check the script")
+    ap.add_argument("--with-diffusion", action="store_true",
+                    help="start the diffusion runtime too (the whole default server)")
     args = ap.parse_args()
     if args.smoke:
         from genserve.bench.tiny import tiny_chat_model
@@ -98,6 +101,8 @@ def main() -> None:
         args.flags = ["--model-path", str(tiny_chat_model()), "--no-compile", "--quantization",
                       "none", "--dtype", "float32", *args.flags]
         args.rounds = 1
+    if not args.with_diffusion:
+        args.flags = ["--no-diffusion", *args.flags]
     work = Path(tempfile.mkdtemp(prefix="bench_compile_restart_"))
     env = {**os.environ, "GENSERVE_COMPILE_CACHE_DIR": str(work / "genserve"),
            "TORCHINDUCTOR_CACHE_DIR": str(work / "torch0")}
