@@ -13,7 +13,7 @@ import torch
 from genserve import Engine
 from genserve.srt.sampling import SamplingParams
 from genserve.srt.speculative import NgramProposer, verify_draft
-from genserve.srt.speculative.ngram import NgramState
+from genserve.srt.speculative.ngram import ForwardCost, NgramState
 from genserve.srt.speculative.verify import target_probs
 
 
@@ -118,9 +118,23 @@ def repetitive(seed: int, n: int) -> list[int]:
     return out[:n]
 
 
+class UnmeasuredCost(ForwardCost):
+    """A forward cost that ignores its timings, so drafts always look free (rho 0): whether a
+    request speculates then depends on its acceptance only, never on how loaded the machine
+    running the test is (priced drafts turned speculation off on a busy run)."""
+
+    def record_decode(self, seconds: float) -> None:
+        pass
+
+    def record_verify(self, seconds: float, extra_tokens: int) -> None:
+        pass
+
+
 def spec_engine(path: str, **kw) -> Engine:
-    return Engine(path, dtype="float32", max_total_tokens=kw.pop("max_total_tokens", 4096),
-                  speculative_algorithm="ngram", **kw)
+    engine = Engine(path, dtype="float32", max_total_tokens=kw.pop("max_total_tokens", 4096),
+                    speculative_algorithm="ngram", **kw)
+    engine.scheduler.spec.cost = UnmeasuredCost()
+    return engine
 
 
 def test_greedy_output_equals_plain_decoding_batched_and_cached(tiny):
