@@ -20,7 +20,8 @@ from genserve.srt.forward_batch import ForwardBatch
 from genserve.srt.model_config import ModelConfig
 from genserve.srt.models.base import ModelKernels
 from genserve.srt.models.gemma3 import Gemma3ForCausalLM
-from genserve.srt.models.vlm_base import VisionLanguageModel, rebuild_hf_buffers
+from genserve.srt.models.llava import LlavaForConditionalGeneration
+from genserve.srt.models.vlm_base import VisionLanguageModel
 
 _DEFAULT_KERNELS = ModelKernels()
 
@@ -64,12 +65,8 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
 
     # ---- model runner hooks -----------------------------------------------------------------
 
-    def rebuild_family_buffers(self, device: torch.device) -> None:
-        for module in self.language_model.modules():  # the decoder's rotary tables
-            rebuild = getattr(module, "rebuild", None)
-            if callable(rebuild):
-                rebuild(device)
-        rebuild_hf_buffers(self.vision_tower, device)
+    # The decoder's rotary tables, then the tower's buffers, as LLaVA's (same part names).
+    rebuild_family_buffers = LlavaForConditionalGeneration.rebuild_family_buffers
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:  # type: ignore[override]
         """Checkpoints name the parts `model.vision_tower.*`, `model.multi_modal_projector.*`,
