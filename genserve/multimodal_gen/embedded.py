@@ -143,23 +143,29 @@ def build_tiny_flux_fill():
     return FluxFillPipeline(**_tiny_flux_parts(in_channels=16 + 16 + 256, out_channels=16))
 
 
-def _tiny_wan_parts(in_channels: int = 4) -> dict:
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+def _tiny_wan_transformer(in_channels: int, out_channels: int, num_layers: int):
+    from diffusers import WanTransformer3DModel
 
-    transformer = WanTransformer3DModel(
+    return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=12,
         in_channels=in_channels,
-        out_channels=4,
+        out_channels=out_channels,
         text_dim=32,
         freq_dim=32,
         ffn_dim=32,
-        num_layers=4,
+        num_layers=num_layers,
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
     )
+
+
+def _tiny_wan_parts(in_channels: int = 4) -> dict:
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
+
+    transformer = _tiny_wan_transformer(in_channels, 4, num_layers=4)
     # Wan's VAE: 4x temporal (hence 4k+1 frames) and 8x spatial compression.
     vae = AutoencoderKLWan(
         base_dim=4,
@@ -255,10 +261,12 @@ def _tiny_helios_parts() -> dict:
                 text_encoder=_tiny_t5_encoder(32, umt5=True), vae=vae, transformer=transformer)
 
 
-def _tiny_image_vae(latent_channels: int = 4, **kwargs):
+def _tiny_image_vae(latent_channels: int = 4, vae_class: type | None = None, **kwargs):
+    """A 4-level, 8-wide image VAE (8x spatial compression): `AutoencoderKL`, or `vae_class`
+    where a family has its own with the same arguments (FLUX.2's)."""
     from diffusers import AutoencoderKL
 
-    return AutoencoderKL(
+    return (vae_class or AutoencoderKL)(
         in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
         up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8),
         layers_per_block=1, latent_channels=latent_channels, norm_num_groups=4, sample_size=32,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from genserve.multimodal_gen.embedded import _VOCAB_WORDS
+from genserve.multimodal_gen.embedded import _VOCAB_WORDS, _tiny_image_vae
 from genserve.word_tokenizer import word_tokenizer
 
 _HIDDEN = 16
@@ -143,19 +143,8 @@ def _flux2_vae():
 
     # 4 latent channels at 1/8 resolution, patchified 2x2 into 16-channel tokens (the real VAE:
     # 32 channels, 128 per token): sizes are multiples of 16.
-    vae = AutoencoderKLFlux2(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 8, 8),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=4,
-        sample_size=32,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
+    vae = _tiny_image_vae(vae_class=AutoencoderKLFlux2, use_quant_conv=False,
+                          use_post_quant_conv=False)
     with torch.no_grad():
         vae.bn.running_mean.copy_(torch.linspace(-0.4, 0.4, vae.bn.num_features))
         vae.bn.running_var.copy_(torch.linspace(0.25, 4.0, vae.bn.num_features))
@@ -209,7 +198,6 @@ def build_tiny_flux2_klein():
 
 def build_tiny_z_image():
     from diffusers import (
-        AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         ZImagePipeline,
         ZImageTransformer2DModel,
@@ -236,19 +224,7 @@ def build_tiny_z_image():
         transformer.cap_pad_token.copy_(torch.randn_like(transformer.cap_pad_token) * 0.1)
     # 4 latent channels at 1/8 resolution, patched 2x2 by the transformer: sizes are multiples
     # of 16, as the real model's (16 channels).
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 8, 8),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=4,
-        sample_size=32,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-    )
+    vae = _tiny_image_vae(scaling_factor=0.3611, shift_factor=0.1159)
     return ZImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),  # as Z-Image-Turbo's
         vae=vae,

@@ -5,7 +5,12 @@ nothing downloaded. Built through `embedded.build_embedded`; runs in the worker 
 
 from __future__ import annotations
 
-from genserve.multimodal_gen.embedded import _tiny_t5_encoder, _tiny_wan_parts, text_tokenizer
+from genserve.multimodal_gen.embedded import (
+    _tiny_t5_encoder,
+    _tiny_wan_parts,
+    _tiny_wan_transformer,
+    text_tokenizer,
+)
 
 
 def _tiny_wan22_vae():
@@ -30,25 +35,6 @@ def _tiny_wan22_vae():
     )
 
 
-def _tiny_wan_transformer(channels: int):
-    from diffusers import WanTransformer3DModel
-
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
-        in_channels=channels,
-        out_channels=channels,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    )
-
-
 def build_tiny_wan22_ti2v():
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
@@ -59,7 +45,7 @@ def build_tiny_wan22_ti2v():
         text_encoder=_tiny_t5_encoder(32, umt5=True),
         vae=_tiny_wan22_vae(),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
-        transformer=_tiny_wan_transformer(8),
+        transformer=_tiny_wan_transformer(8, 8, num_layers=2),
         expand_timesteps=True,
     )
 
@@ -70,7 +56,8 @@ def build_tiny_wan22_a14b():
     # Wan 2.2 A14B: the 2.1 VAE and two experts of the same shape (their own random weights);
     # `transformer` runs the steps at t >= 0.875 * 1000, `transformer_2` the rest.
     parts = _tiny_wan_parts()
-    return WanPipeline(**parts, transformer_2=_tiny_wan_transformer(4), boundary_ratio=0.875)
+    return WanPipeline(**parts, transformer_2=_tiny_wan_transformer(4, 4, num_layers=2),
+                       boundary_ratio=0.875)
 
 
 # Qwen's chat markup, as Qwen2.5-VL's tokenizer renders it. HunyuanVideo 1.5 drops the first
