@@ -28,14 +28,10 @@ def chat_ids(engine: Engine, parts: list) -> list[int]:
     return engine.tokenizer.encode(text)
 
 
-@pytest.fixture(scope="module")
-def qwen3_vl(tmp_path_factory):
-    return make_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl"))
-
-
-def test_qwen3_vl_greedy_equal_to_hf_batched_with_text(qwen3_vl):
-    engine = Engine(str(qwen3_vl), dtype="float32", max_total_tokens=2048)
-    a, b, c = png_bytes(64, 96, 1), png_bytes(128, 64, 2), png_bytes(96, 96, 3)
+def greedy_batch_with_text(engine: Engine, third: tuple[int, int], reference):
+    """Three prompts in one batch (one image; text only; two images, the second `third` in
+    size), each equal to `reference(ids, images)`; returns the prompts and the first image."""
+    a, b, c = png_bytes(64, 96, 1), png_bytes(128, 64, 2), png_bytes(*third, 3)
     prompts = [
         (chat_ids(engine, [None, "what is in the image ?"]), [a]),
         (chat_ids(engine, ["how many red square ?"]), None),
@@ -47,7 +43,19 @@ def test_qwen3_vl_greedy_equal_to_hf_batched_with_text(qwen3_vl):
         sampling_params=GREEDY,
     )
     for (ids, images), out in zip(prompts, outs):
-        assert out["output_ids"] == hf_reference(qwen3_vl, ids, images or [], 24)
+        assert out["output_ids"] == reference(ids, images or [])
+    return prompts, a
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    return make_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl"))
+
+
+def test_qwen3_vl_greedy_equal_to_hf_batched_with_text(qwen3_vl):
+    engine = Engine(str(qwen3_vl), dtype="float32", max_total_tokens=2048)
+    prompts, a = greedy_batch_with_text(engine, (96, 96), lambda ids, images: hf_reference(
+        qwen3_vl, ids, images, 24))
     assert engine.server_info()["multimodal"]["images_encoded"] == 3
     # Same image and leading text: the image's KV comes from the prefix cache, and the
     # embeddings (with their DeepStack levels) are not encoded again.
@@ -85,19 +93,8 @@ def gemma3(tmp_path_factory):
 
 def test_gemma3_greedy_equal_to_hf_batched_with_text(gemma3):
     engine = Engine(str(gemma3), dtype="float32", max_total_tokens=2048)
-    a, b, c = png_bytes(64, 96, 1), png_bytes(128, 64, 2), png_bytes(40, 40, 3)
-    prompts = [
-        (chat_ids(engine, [None, "what is in the image ?"]), [a]),
-        (chat_ids(engine, ["how many red square ?"]), None),
-        (chat_ids(engine, ["compare", None, "and", None, "?"]), [b, c]),
-    ]
-    outs = engine.generate(
-        input_ids=[p for p, _ in prompts],
-        image_data=[i for _, i in prompts],
-        sampling_params=GREEDY,
-    )
-    for (ids, images), out in zip(prompts, outs):
-        assert out["output_ids"] == gemma3_reference(gemma3, ids, images or [])
+    prompts, a = greedy_batch_with_text(engine, (40, 40), lambda ids, images: gemma3_reference(
+        gemma3, ids, images))
     # The same image after the same text: its 16 tokens come from the prefix cache.
     ids = chat_ids(engine, [None, "describe this picture ."])
     again = engine.generate(input_ids=ids, image_data=[a], sampling_params=GREEDY)
