@@ -40,6 +40,21 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
                         "(docs/benchmarks.md). Default: on for int8wo/int4wo weights on a CPU "
                         "with g++ or clang++ and one rank, else off; --no-compile skips it.")
     g.add_argument("--attention-backend", default=None, choices=llm_args.ATTENTION_BACKENDS)
+    g.add_argument("--enable-cuda-graph", dest="enable_cuda_graph", action="store_true",
+                   default=None,
+                   help="CUDA: replay decode steps from graphs captured at start-up, one per "
+                        "batch-size bucket (1, 2, 4, 8, 16, 24...; triton attention backend). "
+                        "Off by default until the device check shows it wins "
+                        "(docs/benchmarks.md).")
+    g.add_argument("--disable-cuda-graph", dest="enable_cuda_graph", action="store_false",
+                   help="Decode eagerly (SGLang's flag; the default here).")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="Largest decode batch with a graph (default: 32, at most "
+                        "--max-running-requests); larger batches decode eagerly.")
+    g.add_argument("--enable-overlap-schedule", action="store_true", default=None,
+                   help="Run each forward in a worker thread while the scheduler processes "
+                        "the previous step's outputs (SGLang's overlap scheduler). Off by "
+                        "default until measured to win (docs/benchmarks.md).")
     g.add_argument("--schedule-policy", default="fcfs", choices=llm_args.SCHEDULE_POLICIES)
     g.add_argument("--max-running-requests", type=int, default=64)
     g.add_argument("--max-queued-requests", type=int, default=None,

@@ -16,6 +16,7 @@ import psutil
 import torch
 
 from genserve.device_memory import device_memory
+from genserve.srt.decode_graphs import create_decode_graphs
 from genserve.srt.device import resolve_device, resolve_dtype
 from genserve.srt.distributed import TPGroup
 from genserve.srt.forward_batch import ForwardBatch, ForwardMode
@@ -209,6 +210,10 @@ class ModelRunner:
         self._compiled_decode = self._compile_decode() if self.compiled else None
         if self.compiled:
             self.lora, self.lora_refusal = None, "the decode step is compiled (--compile)"
+        if args.enable_cuda_graph and self.lora is not None:  # (before any capture)
+            self.lora, self.lora_refusal = None, "decode steps replay graphs (--enable-cuda-graph)"
+        # Decode steps replayed from per-batch-size graphs (--enable-cuda-graph), else None.
+        self.decode_graphs = create_decode_graphs(self)
         for entry in args.lora_paths if self.lora is not None else ():
             name, _, path = entry.partition("=")
             self.lora.add(name, path)  # type: ignore[union-attr]
@@ -436,6 +441,8 @@ class ModelRunner:
             from genserve.srt.tp_worker import forward_inputs
 
             self.tp_workers.send(forward_inputs(fb))
+        if self.decode_graphs is not None and self.decode_graphs.can_run(fb):
+            return self.decode_graphs.run(fb)  # plans its attention inside the graph
         self.attn_backend.init_forward_metadata(fb)
         if self.lora is not None:
             self.lora.batch = fb.lora  # what the adapted layers' hooks read in this forward

@@ -12,6 +12,9 @@ GRAMMAR_BACKENDS = ("xgrammar", "none")
 QUANTIZATIONS = ("none", "int8wo", "int4wo", "auto")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 LOAD_FORMATS = ("auto", "dummy")
+# How decode graphs are captured: "cuda" (torch.cuda.CUDAGraph); "eager" runs the same static
+# buffers, buckets and padding by calling the forward, the CPU path for tests only.
+CUDA_GRAPH_CAPTURES = ("cuda", "eager")
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,17 @@ class EngineArgs:
     # checkpoint read; the folder needs only config.json. For speed and memory checks
     # (scripts/device_check.sh); the outputs mean nothing.
     load_format: str = "auto"
+    # CUDA graphs for decode steps (`--enable-cuda-graph`; SGLang has them on and names the
+    # switch --disable-cuda-graph, here they stay off until the device check shows they win):
+    # one graph per batch-size bucket up to cuda_graph_max_bs (None: min(32,
+    # max_running_requests)); larger batches decode eagerly (genserve/srt/decode_graphs.py).
+    enable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_capture: str = "cuda"  # internal: "eager" on a CPU, for tests
+    # Overlap the scheduler's CPU work (output processing, the next batch's planning) with the
+    # forward, run in a worker thread (`--enable-overlap-schedule`; SGLang's overlap scheduler,
+    # on there and off here until measured: genserve/srt/scheduler/overlap.py).
+    enable_overlap_schedule: bool = False
 
     def __post_init__(self) -> None:
         self._check_lora()
@@ -155,6 +169,7 @@ class EngineArgs:
             )
         if self.tp_size > 1 and self.compile:
             raise ValueError("--compile is not supported with --tp > 1 yet; drop one of them")
+        self._check_cuda_graph()
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 
@@ -178,6 +193,20 @@ class EngineArgs:
         if self.lora_paths and self.compile:
             raise ValueError("LoRA adapters (--lora-paths) are not supported with --compile "
                              "(the compiled decode step has no LoRA path); drop one of them")
+
+    def _check_cuda_graph(self) -> None:
+        if self.cuda_graph_capture not in CUDA_GRAPH_CAPTURES:
+            raise ValueError(f"cuda_graph_capture must be one of {CUDA_GRAPH_CAPTURES}, "
+                             f"got {self.cuda_graph_capture!r}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if not self.enable_cuda_graph:
+            return
+        for clash, what in ((self.tp_size > 1, "--tp > 1"), (self.compile, "--compile"),
+                            (bool(self.lora_paths), "LoRA adapters (--lora-paths)")):
+            if clash:
+                raise ValueError(f"--enable-cuda-graph is not supported with {what} yet; "
+                                 "drop one of them")
 
     def _check_draft_model(self) -> None:
         draft = self.speculative_algorithm == "draft"

@@ -36,6 +36,16 @@ class AttentionLayerInfo:
 class AttentionBackend(ABC):
     """Computes paged attention for one model; one instance per model runner."""
 
+    # Whether `init_graph_decode_metadata` exists: a decode plan built from device tensors
+    # alone, which a CUDA graph can capture (genserve/srt/decode_graphs.py).
+    graph_capturable = False
+
+    def init_graph_decode_metadata(self, forward_batch: ForwardBatch) -> None:
+        """The decode plan of `forward_batch` from its device tensors alone (no host values,
+        no host sync), in tensors whose shapes depend on the batch size only; it must attend
+        exactly as `init_forward_metadata` does. Only where `graph_capturable`."""
+        raise NotImplementedError(f"{type(self).__name__} has no graph-capturable decode plan")
+
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Build per-batch metadata (index arrays, split plans) once, before the first layer."""

@@ -3,6 +3,11 @@
 Per batch, `init_forward_metadata` flattens the request-to-token rows into kv_indptr/kv_indices
 once; every layer then stores its new K/V with the kv_store kernel and runs split-KV decode
 attention or extend attention over those indices.
+
+A decode batch's split count depends on its batch size and the pool's context width, not on
+its current lengths (the kernel gives each request no more splits than its length needs): the
+plan a CUDA graph captures once (`init_graph_decode_metadata`) then attends exactly as the eager
+plan does, and the same batch gives the same tokens with graphs on or off.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class TritonAttnMetadata:
 
 
 class TritonAttnBackend(AttentionBackend):
+    graph_capturable = True
+
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, device: str | torch.device
     ) -> None:
@@ -66,15 +73,30 @@ class TritonAttnBackend(AttentionBackend):
             req_to_token, fb.req_pool_indices, kv_lens, sum(lens_cpu)
         )
         if fb.mode is ForwardMode.DECODE:
-            splits = choose_num_kv_splits(
-                max(fb.seq_lens_cpu, default=1), fb.batch_size, self.num_kv_heads, self.device
-            )
+            splits = self._decode_splits(fb)
             self.metadata = TritonAttnMetadata(fb.mode, kv_indptr, kv_indices, None, 0, splits)
             return
         qo_indptr = torch.zeros(fb.batch_size + 1, dtype=torch.int64, device=kv_indptr.device)
         torch.cumsum(fb.extend_seq_lens, 0, out=qo_indptr[1:])
         self.metadata = TritonAttnMetadata(
             fb.mode, kv_indptr, kv_indices, qo_indptr, max(fb.extend_seq_lens_cpu, default=0), 1
+        )
+
+    def _decode_splits(self, fb: ForwardBatch) -> int:
+        width = fb.req_to_token_pool.req_to_token.shape[1]
+        return choose_num_kv_splits(width, fb.batch_size, self.num_kv_heads, self.device)
+
+    def init_graph_decode_metadata(self, forward_batch: ForwardBatch) -> None:
+        """kv_indices has room for every row's whole req_to_token row; the kernels read only
+        the kv_indptr ranges, computed on the device from seq_lens."""
+        fb = forward_batch
+        req_to_token = fb.req_to_token_pool.req_to_token
+        capacity = fb.batch_size * req_to_token.shape[1]
+        kv_indptr, kv_indices = build_kv_indices(
+            req_to_token, fb.req_pool_indices, fb.seq_lens, capacity
+        )
+        self.metadata = TritonAttnMetadata(
+            ForwardMode.DECODE, kv_indptr, kv_indices, None, 0, self._decode_splits(fb)
         )
 
     def forward(
