@@ -8,7 +8,8 @@ is a FAILED row with the error's last line, and the run goes on):
   cuda_tests   the CUDA-only tests (`pytest -m gpu`)
   attention    Triton decode and extend attention vs torch SDPA (benchmarks/bench_kernels.py)
   llm          a random-weight Llama-3-8B-shaped bf16 model on the shared-prefix workload
-               through the offline engine (benchmarks/bench_offline.py), torch vs triton
+               through the offline engine (benchmarks/bench_offline.py), torch vs triton;
+               CUDA graphs on vs off at batch-1 decode (triton), with their greedy tokens
   flux         a random-weight FLUX.1-shaped transformer: genserve's pipeline vs plain diffusers
   video        a random-weight Helios-shaped streaming video model: frames per second
   memory_plan  an 8B LLM + a FLUX-sized DiT on one card: the server's memory plan from the
@@ -46,9 +47,9 @@ class Step:
 
 STEPS = (
     Step("device", "device_check_llm", 25, "the card"),
-    Step("cuda_tests", "device_check_llm", 110, "the CUDA-only tests"),
+    Step("cuda_tests", "device_check_llm", 95, "the CUDA-only tests"),
     Step("attention", "device_check_llm", 50, "Triton attention vs torch SDPA"),
-    Step("llm", "device_check_llm", 100, "Llama-3-8B-shaped model, offline engine"),
+    Step("llm", "device_check_llm", 115, "Llama-3-8B-shaped model, offline engine"),
     Step("flux", "device_check_diffusion", 65, "FLUX.1-shaped transformer step"),
     Step("video", "device_check_diffusion", 75, "Helios-shaped streaming video"),
     Step("memory_plan", "device_check_diffusion", 50, "8B LLM + FLUX-sized DiT, one card"),
