@@ -51,10 +51,6 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="Largest decode batch with a graph (default: 32, at most "
                         "--max-running-requests); larger batches decode eagerly.")
-    g.add_argument("--enable-overlap-schedule", action="store_true", default=None,
-                   help="Run each forward in a worker thread while the scheduler processes "
-                        "the previous step's outputs (SGLang's overlap scheduler). Off by "
-                        "default until measured to win (docs/benchmarks.md).")
     g.add_argument("--schedule-policy", default="fcfs", choices=llm_args.SCHEDULE_POLICIES)
     g.add_argument("--max-running-requests", type=int, default=64)
     g.add_argument("--max-queued-requests", type=int, default=None,

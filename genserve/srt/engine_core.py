@@ -62,7 +62,6 @@ class Runtime:
             "attention_backend": self.runner.attention_backend_name,
             "cuda_graph_buckets": (self.runner.decode_graphs.buckets
                                    if self.runner.decode_graphs is not None else None),
-            "overlap_schedule": self.args.enable_overlap_schedule,
             "context_length": self.runner.context_length,
             "vocab_size": cfg.vocab_size,
             "num_layers": cfg.num_hidden_layers,

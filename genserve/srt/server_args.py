@@ -92,10 +92,6 @@ class EngineArgs:
     enable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     cuda_graph_capture: str = "cuda"  # internal: "eager" on a CPU, for tests
-    # Overlap the scheduler's CPU work (output processing, the next batch's planning) with the
-    # forward, run in a worker thread (`--enable-overlap-schedule`; SGLang's overlap scheduler,
-    # on there and off here until measured: genserve/srt/scheduler/overlap.py).
-    enable_overlap_schedule: bool = False
 
     def __post_init__(self) -> None:
         self._check_lora()

@@ -34,6 +34,7 @@ def test_graph_decode_gives_the_eager_tokens(tiny_model_factory, backend):
     graphs = Engine(folder, **common, **GRAPHS)
     runner = graphs.runtime.runner
     assert runner.decode_graphs.buckets == [1, 2, 4]
+    assert graphs.runtime.model_info()["cuda_graph_buckets"] == [1, 2, 4]
     prompts = [prompt(i, 12 + i) for i in range(6)]
     steps = GREEDY["max_new_tokens"] - 1  # decode steps per batch (the first token: prefill)
     for batch in (prompts[:1], prompts[:3], prompts):
