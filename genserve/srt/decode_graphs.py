@@ -212,7 +212,16 @@ def create_decode_graphs(runner: ModelRunner) -> DecodeGraphRunner | None:
         )
     max_bs = min(max_bs, args.max_running_requests)  # no batch is larger
     capture = EagerCapture() if eager else CudaGraphCapture(runner.device)
-    graphs = DecodeGraphRunner(runner, max_bs, capture)
+    try:
+        graphs = DecodeGraphRunner(runner, max_bs, capture)
+    except RuntimeError as exc:  # e.g. a layer that reads a tensor on the host mid-forward
+        if eager:
+            raise
+        raise ValueError(
+            f"--enable-cuda-graph: capturing {runner.config.architecture}'s decode step failed "
+            f"({exc}); a layer waits on the host (the torch MoE kernel does): drop "
+            "--enable-cuda-graph"
+        ) from exc
     logger.info(
         "decode graphs (%s capture) for batch sizes %s", args.cuda_graph_capture, graphs.buckets
     )
