@@ -1,8 +1,10 @@
 """The gateway's side of the memory plan: collect what every runtime reports once its weights
 are in, make the plan when all have (`genserve/memory_plan.py`), answer each LLM its KV pool.
 
-`genserve serve` starts every runtime at once. Each LLM's scheduler process loads its weights
-and then waits in `llm_report` (one thread per LLM, the one constructing its `AsyncEngine`);
+`genserve serve` starts every runtime at once (on a host, the first LLM ahead of the others:
+`weights_in`). Each LLM's scheduler process loads its weights and reports, and its thread (the
+one constructing its `AsyncEngine`) waits in `llm_report`; on a host the scheduler process
+goes on with its own default pool meanwhile and reads the answer after its compile warm-up;
 the diffusion worker loads its models, learns its peak and reports through `diffusion_report`.
 When the last report is in, the plan for each device is made and logged, and every waiting LLM
 gets its pool, or the plan's refusal (`MemoryPlanError`), which stops the start before the
@@ -65,12 +67,16 @@ class ServerMemoryPlanner:
         self._llm_reports: list[dict] = []
         self._diffusion_reports: list[dict] | None = None if diffusion else []
         self._cond = threading.Condition()
+        # Set by the first LLM report (weights in) or by an abort: what a staggered start waits
+        # for before it starts the other runtimes (`genserve serve` on a host).
+        self.weights_in = threading.Event()
         self.plans: list[MemoryPlan] | None = None
         self._error: BaseException | None = None
 
     def llm_report(self, report: dict[str, Any]) -> int:
         """One LLM's report (`ModelRunner.memory_report` plus its name); blocks until the plan
         is made: its KV pool in tokens (0 for an encoder). Raises the plan's refusal."""
+        self.weights_in.set()
         with self._cond:
             self._llm_reports.append(report)
             self._maybe_plan()
@@ -93,6 +99,7 @@ class ServerMemoryPlanner:
 
     def abort(self, reason: str) -> None:
         """A runtime failed to start: the LLMs waiting for the plan stop waiting."""
+        self.weights_in.set()
         with self._cond:
             if self.plans is None and self._error is None:
                 self._error = PlanAborted(f"another runtime failed to start ({reason})")

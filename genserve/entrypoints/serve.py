@@ -5,6 +5,11 @@ work (video jobs) get `--shutdown-timeout` seconds to finish, what is left is ca
 runtimes' processes are stopped and the process exits 0. A second SIGINT forces the exit.
 The runtime processes ignore both signals (Ctrl-C reaches the whole process group): stopping them
 is this process's job, after the drain.
+
+On a host (no GPU) the first LLM starts alone and the other runtimes once its weights are in:
+loading is CPU-bound, so starting everything at once only slows the first LLM's load, and its
+compile warm-up, the longest single step of a start and one thread wide, then runs beside the
+others' loading instead of after it. On a GPU every runtime starts at once.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import contextlib
 import dataclasses
 import ipaddress
 import logging
+import os
 import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -111,6 +117,16 @@ def _wanted(args: argparse.Namespace) -> tuple[bool, bool]:
     return llm, diffusion
 
 
+def host_only(device: str) -> bool:
+    """Whether the runtimes run on the host: --device cpu, or auto with no NVIDIA GPU visible
+    (told without importing torch, which the gateway never does)."""
+    if device != "auto":
+        return device == "cpu"
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return True
+    return not os.path.exists("/proc/driver/nvidia/version")
+
+
 def import_async_engine() -> Any:
     """The runtime's `AsyncEngine` class (importing it does not import torch)."""
     from genserve.srt.engine import AsyncEngine
@@ -187,8 +203,10 @@ async def _start_llms(args: argparse.Namespace, clients: list[LLMEngineClient],
 
     AsyncEngine = import_async_engine()  # noqa: N806 (a class)
 
-    def start(path: str | None) -> LLMEngineClient:
+    def start(path: str | None, staggered: bool) -> LLMEngineClient:
         try:
+            if staggered:
+                planner.weights_in.wait()  # type: ignore[union-attr]
             engine_args = llm_engine_args(args, path)
             logger.info("loading LLM %s", path or f"(embedded {row_for_path(None).name})")
             if planner is None:
@@ -201,8 +219,10 @@ async def _start_llms(args: argparse.Namespace, clients: list[LLMEngineClient],
                 planner.abort(f"{path or 'the default LLM'}: {exc}")
             raise
 
-    started = await asyncio.gather(*(_in_own_thread(start, p) for p in llm_paths(args)),
-                                   return_exceptions=True)
+    stagger = planner is not None and host_only(args.device)
+    started = await asyncio.gather(
+        *(_in_own_thread(start, p, stagger and i > 0) for i, p in enumerate(llm_paths(args))),
+        return_exceptions=True)
     clients.extend(e for e in started if not isinstance(e, BaseException))
     failures = [e for e in started if isinstance(e, BaseException)]
     if failures:
@@ -214,9 +234,11 @@ async def _start_llms(args: argparse.Namespace, clients: list[LLMEngineClient],
 
 
 async def _start_diffusion(args: argparse.Namespace, started: list[Any],
-                           planner: ServerMemoryPlanner | None = None) -> None:
+                           planner: ServerMemoryPlanner | None = None,
+                           stagger: bool = False) -> None:
     """Start the diffusion runtime, appending its client to `started` (for the caller to shut
-    down whatever happens next); then give the memory plan its report."""
+    down whatever happens next); then give the memory plan its report. stagger: start once
+    the first LLM's weights are in (see the module's docstring)."""
     try:
         from genserve.multimodal_gen.launch import start_diffusion_client
     except ImportError as exc:
@@ -225,6 +247,8 @@ async def _start_diffusion(args: argparse.Namespace, started: list[Any],
             planner.diffusion_report([])
         return
     paths = args.diffusion_model_path or None
+    if planner is not None and stagger:
+        await _in_own_thread(planner.weights_in.wait)
     logger.info("loading diffusion models %s", paths or "(embedded defaults)")
     try:
         client = await _in_own_thread(start_diffusion_client, paths, args)
@@ -247,7 +271,8 @@ async def _start_runtimes(args: argparse.Namespace, llm_clients: list[LLMEngineC
     if want_llm:
         starts.append(_start_llms(args, llm_clients, planner))
     if want_diffusion:
-        starts.append(_start_diffusion(args, diffusion, planner))
+        stagger = want_llm and host_only(args.device)
+        starts.append(_start_diffusion(args, diffusion, planner, stagger))
     results = await asyncio.gather(*starts, return_exceptions=True)
     failures = [r for r in results if isinstance(r, BaseException)]
     if failures:

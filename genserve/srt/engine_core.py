@@ -129,12 +129,13 @@ def build_runtime(
     args: EngineArgs,
     log_level: str = "info",
     on_rank_death: Callable[[str], None] | None = None,
-    plan_pool: Callable[[dict], int] | None = None,
+    plan_pool: Any = None,
 ) -> Runtime | EncoderRuntime:
     """on_rank_death: called (from a thread) when a tensor-parallel worker dies. An encoder
     embedder or reranker gets an `EncoderRuntime` (transformers' modules, no KV pool); every
     other model, decoder embedders included, the paged runtime.
-    plan_pool: the server's memory plan, asked once the weights are in (`ModelRunner`); it is
+    plan_pool: the server's memory plan, asked once the weights are in (`ModelRunner`; the
+    scheduler process's link: call it, or send a report and receive the pool later); it is
     told the model's name, and an encoder's weights (it has no pool)."""
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
@@ -149,8 +150,7 @@ def build_runtime(
         source_precision = precision_class(folder)
         args = _quantized_cpu_dtype(args, source_precision)
     pooling = read_pooling_spec(folder, args.is_embedding)
-    named_plan = None if plan_pool is None else (
-        lambda report: plan_pool({**report, "name": name}))
+    named_plan = None if plan_pool is None else _NamedPlan(plan_pool, name)
     if pooling is not None and pooling.runtime == "encoder":
         encoder = EncoderRuntime.build(args, folder, name, pooling)
         if named_plan is not None:
@@ -177,6 +177,10 @@ def build_runtime(
     scheduler = Scheduler(args, runner, tokenizer, draft_runner)
     if runner.compiled:
         warm_up_compiled_decode(scheduler)
+    if runner.settle_planned_pool():  # the plan gave less than the runner started with
+        scheduler = Scheduler(args, runner, tokenizer, draft_runner)
+        if runner.compiled:
+            warm_up_compiled_decode(scheduler)
     kv_gib = runner.max_total_tokens * runner.kv_bytes_per_token() / 2**30
     checkpoint_fmt = runner.checkpoint_quantization
     logger.info(
@@ -192,6 +196,24 @@ def build_runtime(
         context_length,
     )
     return Runtime(args, folder, name, config, tokenizer, runner, scheduler, workers)
+
+
+@dataclass
+class _NamedPlan:
+    """The memory plan's link with this model's name added to every report it sends."""
+
+    link: Any  # the scheduler process's `_PlanLink`: send(report), receive() -> tokens
+    name: str
+
+    def send(self, report: dict) -> None:
+        self.link.send({**report, "name": self.name})
+
+    def receive(self) -> int:
+        return self.link.receive()
+
+    def __call__(self, report: dict) -> int:
+        self.send(report)
+        return self.receive()
 
 
 def _quantized_cpu_dtype(args: EngineArgs, source_precision: str | None) -> EngineArgs:

@@ -10,7 +10,7 @@ import shutil
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -111,7 +111,7 @@ class ModelRunner:
         source_precision: str | None = None,
         tp: TPGroup | None = None,
         pooling: PoolingSpec | None = None,
-        plan_pool: Callable[[dict], int] | None = None,
+        plan_pool: Any = None,
         shared_kv_bytes_per_token: int = 0,
     ):
         """source_precision: "int8" / "int4" when the weights came from a GGUF or a pre-quantized
@@ -123,7 +123,8 @@ class ModelRunner:
         [batch, hidden] where a generative model returns logits.
         plan_pool: the server's memory plan (genserve/memory_plan.py): given `memory_report()`
         once the weights are in, it answers the KV pool's size in tokens (None: the runner
-        sizes its pool itself).
+        sizes its pool itself); one with `send` and `receive` may be answered later
+        (`_first_pool`).
         shared_kv_bytes_per_token: KV bytes per token of another pool sized like this one
         (a draft model's): an automatically sized pool leaves them room in the budget."""
         self.pooling = pooling
@@ -188,25 +189,14 @@ class ModelRunner:
                     "triton backend does not implement; use --attention-backend torch"
                 )
 
-        # Every rank takes the smallest pool so that rank 0's slot indices are valid on all.
-        pool = self._pool_size() if plan_pool is None else plan_pool(self.memory_report())
-        self.max_total_tokens = self.tp.min_int(pool, self.device)
-        self.req_to_token_pool = ReqToTokenPool(
-            max(2 * args.max_running_requests, 16), context_length + 8, self.device
-        )
-        self.token_to_kv_pool = create_kv_pool(
-            self.max_total_tokens,
-            self.dtype,
-            config.num_hidden_layers,
-            self.num_kv_heads,
-            self.head_dim,
-            self.latent_kv,
-            self.device,
-        )
-        self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
-        self.attn_backend = create_attention_backend(backend, self)
         # Whether batch-1 decode steps run through torch.compile (`--compile`, resolved).
         self.compiled = self._want_compile(args.compile)
+        # The memory plan's answer when it comes after start-up work (`settle_planned_pool`).
+        self._plan_answer: Callable[[], int] | None = None
+        # Every rank takes the smallest pool so that rank 0's slot indices are valid on all.
+        pool = self.tp.min_int(self._first_pool(plan_pool), self.device)
+        self._backend_name = backend
+        self._build_pools(pool)
         self._compiled_decode = self._compile_decode() if self.compiled else None
         if self.compiled:
             self.lora, self.lora_refusal = None, "the decode step is compiled (--compile)"
@@ -357,6 +347,60 @@ class ModelRunner:
                 "context_length": self.context_length,
                 "activation_bytes": self.activation_bytes() if self.device.type == "cuda" else 0,
                 "fixed_tokens": self.args.max_total_tokens, "default_tokens": own}
+
+    def _first_pool(self, plan_pool: Any) -> int:
+        """The KV pool to start with. A runner that compiles its decode step on a host (one
+        rank, no draft model) sends its report and starts on its own default pool without
+        waiting, since there the plan can only keep that pool or shrink it: the compile
+        warm-up then overlaps the other runtimes' loading, and `settle_planned_pool` takes the
+        plan's answer after it. Every other runner waits for the plan here."""
+        if plan_pool is None:
+            return self._pool_size()
+        report = self.memory_report()
+        early = (self.compiled and report["default_tokens"] is not None and self.tp.size == 1
+                 and not self.shared_kv_bytes_per_token and hasattr(plan_pool, "send"))
+        if not early:
+            return plan_pool(report)
+        plan_pool.send(report)
+        self._plan_answer = plan_pool.receive
+        return report["default_tokens"]
+
+    def _build_pools(self, tokens: int) -> None:
+        """The KV pool of `tokens` slots, its allocator and the attention backend over it."""
+        self.max_total_tokens = tokens
+        self.req_to_token_pool = ReqToTokenPool(
+            max(2 * self.args.max_running_requests, 16), self.context_length + 8, self.device
+        )
+        self.token_to_kv_pool = create_kv_pool(
+            tokens,
+            self.dtype,
+            self.config.num_hidden_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.latent_kv,
+            self.device,
+        )
+        self.allocator = TokenToKVPoolAllocator(tokens, self.device)
+        self.attn_backend = create_attention_backend(self._backend_name, self)
+
+    def settle_planned_pool(self) -> bool:
+        """Take the memory plan's answer for a runner that started on its own default pool
+        (`_first_pool`); raises the plan's refusal. When the plan gives less, the pools are
+        rebuilt at its size (and the decode step is compiled anew, its pool shape being part
+        of the graph) and this returns True: the caller builds a new scheduler over them."""
+        if self._plan_answer is None:
+            return False
+        answer, self._plan_answer = self._plan_answer, None
+        tokens = answer()
+        if tokens == self.max_total_tokens:
+            return False
+        logger.info("memory plan: KV pool %d tokens instead of this runner's default %d",
+                    tokens, self.max_total_tokens)
+        del self.token_to_kv_pool, self.allocator, self.attn_backend
+        self._build_pools(tokens)
+        if self.compiled:
+            self._compiled_decode = self._compile_decode()
+        return True
 
     def _pool_size(self) -> int:
         if self.args.max_total_tokens is not None:

@@ -110,3 +110,40 @@ def test_each_device_gets_its_own_plan():
     assert [p.device.name for p in plans] == ["cuda:0", "cuda:1"]
     assert [list(p.pools) for p in plans] == [["a"], ["b"]]
     assert plans[0].diffusion and not plans[1].diffusion
+
+
+def test_the_first_report_or_an_abort_lets_a_staggered_start_go_on():
+    planner = ServerMemoryPlanner(llms=2, diffusion=False, fraction=None)
+    assert not planner.weights_in.is_set()
+    waiter = threading.Thread(target=planner.llm_report, args=(llm("a"),), daemon=True)
+    waiter.start()
+    assert planner.weights_in.wait(30)  # set while the report still waits for the plan
+    assert waiter.is_alive() and planner.plans is None
+    planner.llm_report(llm("b"))
+    waiter.join(30)
+
+    aborted = ServerMemoryPlanner(llms=1, diffusion=True, fraction=None)
+    aborted.abort("the first LLM failed to load")
+    assert aborted.weights_in.is_set()
+
+
+@pytest.mark.parametrize("device, env, nvidia, host", [
+    ("cpu", {}, True, True),
+    ("cuda", {}, False, False),
+    ("cuda:1", {}, False, False),
+    ("auto", {}, False, True),
+    ("auto", {}, True, False),
+    ("auto", {"CUDA_VISIBLE_DEVICES": ""}, True, True),
+])
+def test_host_only_is_told_without_torch(monkeypatch, device, env, nvidia, host):
+    import os
+
+    from genserve.entrypoints import serve
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    real_exists = os.path.exists
+    monkeypatch.setattr(serve.os.path, "exists", lambda p: nvidia if p.startswith(
+        "/proc/driver/nvidia") else real_exists(p))
+    assert serve.host_only(device) is host

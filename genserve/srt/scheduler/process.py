@@ -28,8 +28,9 @@ logger = logging.getLogger("genserve.scheduler")
 def run_scheduler_process(args: EngineArgs, conn: Connection, log_level: str = "info",
                           plan_memory: bool = False) -> None:
     """plan_memory: the KV pool's size comes from the server's memory plan: once the weights
-    are in, the process sends a "memory_report" ControlResp and waits for a "kv_pool"
-    ControlReq ({max_total_tokens} or {error}) before it builds the pool."""
+    are in, the process sends a "memory_report" ControlResp and reads a "kv_pool" ControlReq
+    ({max_total_tokens} or {error}): before it builds the pool, or on a host after its compile
+    warm-up (`ModelRunner._first_pool`)."""
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s [scheduler] %(message)s"
     )
@@ -41,7 +42,7 @@ def run_scheduler_process(args: EngineArgs, conn: Connection, log_level: str = "
         from genserve.srt.engine_core import build_runtime
 
         runtime = build_runtime(args, log_level, on_rank_death=_exit_on_rank_death,
-                                plan_pool=_ask_for_pool(conn) if plan_memory else None)
+                                plan_pool=_PlanLink(conn) if plan_memory else None)
     except Exception as exc:  # report load failures to the parent instead of dying silently
         conn.send(ControlResp("ready", 0, False, {"error": f"{type(exc).__name__}: {exc}"}))
         return
@@ -88,18 +89,27 @@ def run_scheduler_process(args: EngineArgs, conn: Connection, log_level: str = "
             raise
 
 
-def _ask_for_pool(conn: Connection):
-    """The memory plan's answer, asked over the parent's pipe (see run_scheduler_process)."""
-    def plan_pool(report: dict) -> int:
-        conn.send(ControlResp("memory_report", 0, True, report))
-        reply = conn.recv()
+class _PlanLink:
+    """The server's memory plan, asked over the parent's pipe (see run_scheduler_process):
+    `send` the report, `receive` the pool; calling it does both (`ModelRunner._first_pool`)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def send(self, report: dict) -> None:
+        self.conn.send(ControlResp("memory_report", 0, True, report))
+
+    def receive(self) -> int:
+        reply = self.conn.recv()
         if not isinstance(reply, ControlReq) or reply.kind != "kv_pool":
             raise RuntimeError(f"expected the memory plan's kv_pool answer, got {reply!r}")
         if "error" in reply.payload:
             raise RuntimeError(f"memory plan: {reply.payload['error']}")
         return int(reply.payload["max_total_tokens"])
 
-    return plan_pool
+    def __call__(self, report: dict) -> int:
+        self.send(report)
+        return self.receive()
 
 
 def _lora_control(sched, msg: ControlReq) -> ControlResp:
