@@ -9,12 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from genserve.srt.distributed import TPGroup
 from genserve.srt.layers.parallel import check_tp_experts, check_tp_size
 from genserve.srt.layers.quantization import quantize_linear, quantize_model
 from genserve.srt.model_config import ModelConfig
-from genserve.srt.models.base import CausalLM, ModelKernels
+from genserve.srt.models.base import CausalLM, Embedding, ModelKernels
 from genserve.srt.models.registry import get_model_class
 from genserve.srt.server_args import EngineArgs
 
@@ -51,12 +52,50 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model)
     elif mode != "none" and type(model).load_checkpoint is CausalLM.load_checkpoint:
+        if device.type == "cpu" and (tp is None or tp.size == 1):
+            keep_checkpoint_dtype(model, folder)
         model.load_checkpoint(folder, on_linear_loaded=functools.partial(
             quantize_linear, model, mode=mode))
     else:
         model.load_checkpoint(folder)
     quantize_model(model, mode)
     return model.eval()
+
+
+def keep_checkpoint_dtype(model: CausalLM, folder: Path) -> None:
+    """Before a quantized load: give the linear weights and the embedding table the
+    checkpoint's dtype where it is a narrower float (a bf16 checkpoint served in float32 on a
+    CPU). The linear weights are quantized as soon as they are read, so their float32 copy was
+    only a loading peak (twice the checkpoint's bytes per layer); the embedding table is kept
+    as stored and its lookups are widened to the model's dtype. The values are the same
+    either way: a bf16 number is exact in float32."""
+    from genserve.srt.model_loader import read_safetensors_header, safetensors_files
+
+    stored: dict[str, set[torch.dtype]] = {}
+    for path in safetensors_files(folder):
+        for entry in read_safetensors_header(path):
+            mapped = model.map_weight_name(entry.name)
+            if mapped is not None:
+                stored.setdefault(mapped[0], set()).add(entry.dtype)
+    modules = dict(model.named_modules())
+    tied = {id(p) for n, p in model.named_parameters() if n.endswith("embed_tokens.weight")}
+    for name, param in model.named_parameters():
+        module_name, _, leaf = name.rpartition(".")
+        module = modules.get(module_name)
+        table = isinstance(module, Embedding)
+        if leaf != "weight" or not (table or isinstance(module, nn.Linear)):
+            continue
+        if not table and id(param) in tied:
+            continue  # a tied lm_head is the table itself
+        dtypes = stored.get(name, set())
+        if len(dtypes) != 1:
+            continue
+        (dtype,) = dtypes
+        if dtype not in (torch.bfloat16, torch.float16) or param.dtype != torch.float32:
+            continue  # FP8 weights are dequantized through their scales, never kept
+        if table:
+            module.out_dtype = param.dtype
+        param.data = torch.empty(param.shape, dtype=dtype, device=param.device)
 
 
 def init_dummy_weights(model: torch.nn.Module, bound: float = 1e-3) -> None:

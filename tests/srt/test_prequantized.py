@@ -384,3 +384,32 @@ def test_quantizing_while_loading_equals_quantizing_after(mode, plain, tmp_path)
         if type(b) is not torch.Tensor:  # torchao's int4 tensor: compare its packed data
             a, b = a.qdata, b.qdata
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # untied and tied lm_head
+def test_a_bf16_checkpoint_quantized_in_float32_keeps_its_tables_narrow(arch, plain, tmp_path):
+    """A bf16 checkpoint quantized while it loads into a float32 model: the linear weights are
+    read in bf16 (never widened: the float32 copy was the loading peak) and the embedding table
+    stays bf16 with float32 lookups, holding what the widened model holds, value for value."""
+    import transformers as tf
+
+    from genserve.srt.layers.quantization import quantize_model
+
+    folder = tmp_path / "bf16"
+    tf.AutoModelForCausalLM.from_pretrained(plain(arch), dtype=torch.bfloat16).save_pretrained(
+        folder, safe_serialization=True)
+    streamed = _load(folder, quantization=lambda model: "int8wo")
+    after = _load(folder)
+    quantize_model(after, "int8wo")
+    assert streamed.embed_tokens.weight.dtype == torch.bfloat16
+    assert after.embed_tokens.weight.dtype == torch.float32
+    ids = torch.arange(0, 256, 7)
+    got, want = streamed.embed_tokens(ids), after.embed_tokens(ids)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    want_state = dict(after.state_dict())
+    got_state = dict(streamed.state_dict())
+    assert got_state.keys() == want_state.keys()
+    for name, tensor in want_state.items():
+        assert torch.equal(got_state[name].to(tensor.dtype), tensor), name
+    # Nothing else was narrowed: norms stay float32.
+    assert streamed.norm.weight.dtype == torch.float32

@@ -63,9 +63,17 @@ class Embedding(nn.Embedding):
     overwrites them, and a random init of a meta tensor would import torch's whole meta-kernel
     library (~150 MB resident) just to do nothing."""
 
+    # The dtype lookups are returned in when the table is kept narrower than the model
+    # (`model_build.keep_checkpoint_dtype`); None: the table's own.
+    out_dtype: torch.dtype | None = None
+
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:
             super().reset_parameters()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = super().forward(ids)
+        return out if self.out_dtype is None else out.to(self.out_dtype)
 
 
 class MergedLinear(nn.Linear):
