@@ -67,8 +67,8 @@ class ShapesVideoFamily(_ShapesFamily):
 
 class ShapesStreamFamily(HeliosFamily):
     """`shapes-stream`: Helios's chunk loop (history, prefix, streams; `pipelines/helios.py`)
-    over a pixel-space model (`stream_model.py`): the latents are packed 64x64 frames, so a
-    chunk decodes by unpacking (larger sizes are upscaled), and the transformer's clean-chunk
+    over a pixel-space or autoencoder-latent model (`stream_model.py`): a chunk decodes by
+    the pipeline's `unpack` (larger sizes are upscaled), and the transformer's clean-chunk
     prediction becomes the velocity the Helios scheduler steps with."""
 
     family = "shapes-stream"
@@ -84,14 +84,14 @@ class ShapesStreamFamily(HeliosFamily):
 
     @property
     def chunk_frames(self) -> int:
-        return stream_model.FRAMES_PER_CHUNK  # no VAE: one latent frame is one frame
+        return stream_model.FRAMES_PER_CHUNK  # one latent frame is one frame (no time axis)
 
     def new_stream(self, seed: int, width: int, height: int) -> HeliosStream:
         """A stream at the start of a video; it is drawn at the native size whatever the
         requested one (decode_chunk upscales)."""
-        side = stream_model.MODEL_SIZE // stream_model.UNSHUFFLE
-        history = torch.zeros(1, stream_model.LATENT_CHANNELS, sum(self.history_sizes), side,
-                              side, device=self.device, dtype=torch.float32)
+        channels, side = self.pipe.latent_shape
+        history = torch.zeros(1, channels, sum(self.history_sizes), side, side,
+                              device=self.device, dtype=torch.float32)
         gen_device = "cpu" if self.device.type == "mps" else self.device
         return HeliosStream(torch.Generator(device=gen_device).manual_seed(seed), history)
 
@@ -100,7 +100,7 @@ class ShapesStreamFamily(HeliosFamily):
         return self.pipe.velocity(latents, timestep, embeds, history)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return stream_model.unpack(latents.float()).clamp(-1, 1)
+        return self.pipe.unpack(latents.float()).clamp(-1, 1)
 
     def decode_chunk(self, latents: torch.Tensor, head: ResolvedRequest) -> torch.Tensor:
         pixels = self.decode(latents)

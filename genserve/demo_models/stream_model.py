@@ -8,10 +8,14 @@ folder):
   short / mid / long patch embeddings;
 - `scheduler`: `HeliosScheduler` with one stage and Euler steps.
 
-There is no VAE: the working "latents" are the frames themselves, drawn at 32x32 and
-pixel-unshuffled 2x to [C=12, 16, 16] per frame (`pack` / `unpack`), so decoding is exact and
-costs nothing; the served 64x64 (or larger) frames are that picture upscaled bilinearly, as the
-other demo models do. The transformer sees each frame as 4x4 tokens of 8x8 pixels, with torus
+Two latent spaces (`ShapesStreamPipeline.pack` / `unpack`):
+- without a `vae` the working "latents" are the frames themselves, drawn at 32x32 and
+  pixel-unshuffled 2x to [C=12, 16, 16] per frame, so decoding is exact and costs nothing;
+- with a `vae` (diffusers' `AutoencoderTiny` trained on the world's frames, `stream_ae.py`)
+  they are its scaled [8, 8, 8] latents, frame by frame, and its conv decoder draws the frame
+  (a linear read-out from each token draws blobs: docs/benchmarks.md).
+The served 64x64 (or larger) frames are the 32x32 picture upscaled bilinearly, as the
+other demo models do. The transformer sees each frame as 4x4 tokens, with torus
 coordinates appended to its input channels (`with_coords`: rotary positions alone cannot place
 the first chunk). It predicts the clean chunk; `velocity` turns that into the flow the Helios
 scheduler steps with. (Why 32x32 and 8x8-pixel tokens: docs/benchmarks.md.) The served chunk
@@ -25,7 +29,7 @@ the architecture is served as `tiny-shapes-stream` (seeded random weights) and
 from __future__ import annotations
 
 import torch
-from diffusers import DiffusionPipeline, HeliosScheduler, HeliosTransformer3DModel
+from diffusers import AutoencoderTiny, DiffusionPipeline, HeliosScheduler, HeliosTransformer3DModel
 from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
 from genserve.demo_models.models import MAX_PROMPT_TOKENS, TEXT_DIM, WEIGHTS_DIR, build_tokenizer
@@ -46,6 +50,11 @@ TRANSFORMER_CONFIG = dict(
     text_dim=TEXT_DIM, freq_dim=64, ffn_dim=256, num_layers=3, cross_attn_norm=True,
     qk_norm="rms_norm_across_heads", rope_dim=(8, 12, 12), has_multi_term_memory_patch=True,
     guidance_cross_attn=True, zero_history_timestep=True)
+# With an autoencoder (`stream_ae.py`) the transformer denoises its [8, 8, 8] latents instead:
+# 2x2-latent-pixel tokens (the same 4x4 tokens a frame), 32 values each.
+AE_DOWNSCALE = 4
+LATENT_TRANSFORMER_CONFIG = dict(
+    TRANSFORMER_CONFIG, patch_size=(1, 2, 2), in_channels=8 + COORD_CHANNELS, out_channels=8)
 
 
 def pack(frames: torch.Tensor) -> torch.Tensor:
@@ -67,17 +76,50 @@ def unpack(latents: torch.Tensor) -> torch.Tensor:
 class ShapesStreamPipeline(DiffusionPipeline):
     """Holds the components; the chunk loop is the serving family's (see module doc)."""
 
-    model_cpu_offload_seq = "text_encoder->transformer"
+    model_cpu_offload_seq = "text_encoder->transformer->vae"
+    _optional_components = ["vae"]
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast, text_encoder: T5EncoderModel,
-                 transformer: HeliosTransformer3DModel, scheduler: HeliosScheduler):
+                 transformer: HeliosTransformer3DModel, scheduler: HeliosScheduler,
+                 vae: AutoencoderTiny | None = None):
         super().__init__()
         self.register_modules(tokenizer=tokenizer, text_encoder=text_encoder,
-                              transformer=transformer, scheduler=scheduler)
+                              transformer=transformer, scheduler=scheduler, vae=vae)
 
     @property
     def native_size(self) -> int:
         return MODEL_SIZE
+
+    @property
+    def latent_shape(self) -> tuple[int, int]:
+        """(channels, side) of one latent frame."""
+        if self.vae is None:
+            return LATENT_CHANNELS, MODEL_SIZE // UNSHUFFLE
+        return self.vae.config.latent_channels, MODEL_SIZE // AE_DOWNSCALE
+
+    def pack(self, frames: torch.Tensor) -> torch.Tensor:
+        """[B, 3, F, H, W] pixels -> [B, C, F, h, w] latents: pixel-unshuffled, or the
+        autoencoder's scaled latents frame by frame (`_encode_frames`)."""
+        if self.vae is None:
+            return pack(frames)
+        return _per_frame(frames, self._encode_frames)
+
+    def _encode_frames(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, 3, H, W] -> [N, C, h, w]. An all-zero frame (no frame yet: the history before
+        a video starts, the prefix of an opening chunk) packs to zero latents, as the served
+        history starts; only the real frames go through the encoder."""
+        channels, side = self.latent_shape
+        out = x.new_zeros(x.shape[0], channels, side, side)
+        real = x.flatten(1).abs().amax(1) > 0
+        if real.any():
+            out[real] = self.vae.encoder(x[real]).to(out.dtype) * self.vae.config.scaling_factor
+        return out
+
+    def unpack(self, latents: torch.Tensor) -> torch.Tensor:
+        """[B, C, F, h, w] latents -> [B, 3, F, H, W] pixels (not clamped)."""
+        if self.vae is None:
+            return unpack(latents)
+        return _per_frame(latents, lambda z: self.vae.decoder(z / self.vae.config.scaling_factor))
 
     def encode_prompt(self, prompt: str | list[str], negative_prompt: str | list[str] | None = None,
                       do_classifier_free_guidance: bool = False, device=None, **_ignored
@@ -103,6 +145,13 @@ class ShapesStreamPipeline(DiffusionPipeline):
         clean = predict_clean(self.transformer, latents, timestep, embeds, history)
         sigma = (timestep.float() / 1000.0).clamp(min=MIN_SIGMA)
         return (latents - clean) / sigma.view(-1, 1, 1, 1, 1).to(clean.dtype)
+
+
+def _per_frame(x: torch.Tensor, fn) -> torch.Tensor:
+    """Apply an image map `fn` to every frame of [B, C, F, H, W]."""
+    b, _, f = x.shape[:3]
+    y = fn(x.permute(0, 2, 1, 3, 4).reshape(b * f, *x.shape[1:2], *x.shape[3:]))
+    return y.view(b, f, *y.shape[1:]).permute(0, 2, 1, 3, 4)
 
 
 def with_coords(latents: torch.Tensor) -> torch.Tensor:
@@ -167,18 +216,20 @@ def history_inputs(history: torch.Tensor, prefix: torch.Tensor) -> dict[str, tor
             **history_indices(history.shape[0])}
 
 
-def build_stream_pipeline() -> ShapesStreamPipeline:
-    """A fresh (untrained) shapes-stream pipeline."""
+def build_stream_pipeline(vae: AutoencoderTiny | None = None) -> ShapesStreamPipeline:
+    """A fresh (untrained) shapes-stream pipeline: in pixel space, or in the latent space of
+    a trained autoencoder `vae` (kept frozen)."""
     tokenizer = build_tokenizer()
     text_encoder = T5EncoderModel(T5Config(
         vocab_size=len(tokenizer), d_model=TEXT_DIM, d_kv=TEXT_DIM // 2, d_ff=2 * TEXT_DIM,
         num_layers=2, num_heads=2, relative_attention_num_buckets=8, dropout_rate=0.0,
         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
-    transformer = HeliosTransformer3DModel(**TRANSFORMER_CONFIG)
+    transformer = HeliosTransformer3DModel(
+        **(TRANSFORMER_CONFIG if vae is None else LATENT_TRANSFORMER_CONFIG))
     scheduler = HeliosScheduler(stages=1, stage_range=[0, 1], scheduler_type="euler",
                                 use_dynamic_shifting=False, shift=1.0)
     return ShapesStreamPipeline(tokenizer=tokenizer, text_encoder=text_encoder,
-                                transformer=transformer, scheduler=scheduler)
+                                transformer=transformer, scheduler=scheduler, vae=vae)
 
 
 def build_tiny_shapes_stream() -> ShapesStreamPipeline:

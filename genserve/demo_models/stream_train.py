@@ -20,6 +20,10 @@ actually ended up (`stream_world.circular_centroid`), and trains the next chunk 
 there. The model so learns to continue its own output, not only clean history, and long streams
 do not drift. History is also noised a little in half of the examples.
 
+With `--autoencoder DIR` (a folder `stream_ae.py` exported) the run denoises that
+autoencoder's latents instead of pixels: frames are encoded (frozen, bf16) as the batch is
+built, and the exported folder carries the autoencoder as its `vae`.
+
 Resumable (`training.TrainingRun`): a checkpoint every `--checkpoint-minutes` and at the end;
 the EMA weights are exported to `--out`.
 """
@@ -44,9 +48,7 @@ from genserve.demo_models.stream_model import (
     build_stream_pipeline,
     encode_prompts,
     history_inputs,
-    pack,
     predict_clean,
-    unpack,
 )
 from genserve.demo_models.training import TrainingRun, parse_and_train, seed_and_work_dir
 
@@ -129,7 +131,7 @@ class Example:
                                                  self.state, MODEL_SIZE)
 
 
-def _batch_inputs(examples: list[Example], before_last: bool = False):
+def _batch_inputs(pipe, examples: list[Example], before_last: bool = False):
     """Packed history inputs of `examples`; `before_last` builds the window that made their
     last history chunk instead (for roll-outs)."""
     hist, pre = [], []
@@ -138,9 +140,15 @@ def _batch_inputs(examples: list[Example], before_last: bool = False):
         hist.append(_window(past))
         opening = before_last and ex.started and past.shape[1] == 0
         pre.append(torch.zeros_like(ex.prefix) if opening else ex.prefix)
-    h = pack(torch.stack(hist))
-    p = pack(torch.stack(pre))
-    return h, p
+    return _pack(pipe, torch.stack(hist)), _pack(pipe, torch.stack(pre))
+
+
+@torch.no_grad()
+def _pack(pipe, frames: torch.Tensor) -> torch.Tensor:
+    """Training's latents of pixel frames; an autoencoder encodes under bf16 autocast (about
+    half the time of fp32 on CPUs with bf16 units, and the encoder is most of a step)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=pipe.vae is not None):
+        return pipe.pack(frames).float()
 
 
 @torch.no_grad()
@@ -169,18 +177,24 @@ def _encode(model, pipe, prompts: list[str]) -> torch.Tensor:
     return encode_prompts(pipe.tokenizer, model["text_encoder"], prompts)
 
 
-def _fg_weight(target: torch.Tensor, scenes: list[world.Scene]) -> torch.Tensor:
-    """1 on background pixels, FG_WEIGHT on shape pixels; packed like the latents."""
+def _fg_weight(pipe, target: torch.Tensor, scenes: list[world.Scene]) -> torch.Tensor:
+    """1 on background pixels, FG_WEIGHT on shape pixels; packed like the latents (with an
+    autoencoder: FG_WEIGHT on every latent pixel whose patch the shape touches)."""
     bgs = torch.tensor([world.BACKGROUNDS[s.background] for s in scenes], dtype=torch.float32)
     bgs = (bgs / 127.5 - 1.0).view(-1, 3, 1, 1, 1)
     fg = ((target - bgs).abs().amax(dim=1, keepdim=True) > 0.2).float()
+    if pipe.vae is not None:
+        channels, side = pipe.latent_shape
+        k = target.shape[-1] // side
+        fg = torch.nn.functional.max_pool3d(fg, (1, k, k))
+        return (1.0 + (FG_WEIGHT - 1.0) * fg).expand(-1, channels, -1, -1, -1)
     w = 1.0 + (FG_WEIGHT - 1.0) * fg
-    return pack(w.expand(-1, 3, -1, -1, -1).contiguous())
+    return pipe.pack(w.expand(-1, 3, -1, -1, -1).contiguous())
 
 
 def train(args: argparse.Namespace) -> None:
     work = seed_and_work_dir(args.seed, Path(args.work_dir))
-    pipe = build_stream_pipeline()
+    pipe = build_stream_pipeline(_load_autoencoder(args.autoencoder))
     model = torch.nn.ModuleDict({"transformer": pipe.transformer,
                                  "text_encoder": pipe.text_encoder})
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -188,7 +202,7 @@ def train(args: argparse.Namespace) -> None:
     if run.resume():
         print(f"resumed at step {run.step}")
     if args.export_only:
-        export(run.ema, Path(args.out))
+        export(pipe, run.ema, Path(args.out))
         return
     scenes = world.training_scenes(video=True)
     nrng = np.random.default_rng(args.seed + run.step)
@@ -201,20 +215,22 @@ def train(args: argparse.Namespace) -> None:
                             first_frac=args.first_frac) for i in range(args.batch_size)]
         if n_roll:
             rolls = examples[:n_roll]
-            h, p = _batch_inputs(rolls, before_last=True)
+            h, p = _batch_inputs(pipe, rolls, before_last=True)
             made = sample_chunks(pipe, run.ema, [ex.plan[-2].prompt() for ex in rolls], h, p,
                                  args.rollout_steps, gen, autocast=args.bf16)
-            pix = ((unpack(made).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+            with torch.no_grad():
+                made = pipe.unpack(made)
+            pix = ((made.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
             for ex, clip in zip(rolls, pix.permute(0, 2, 3, 4, 1).numpy()):
                 ex.retarget(clip)
-        history, prefix = _batch_inputs(examples)
+        history, prefix = _batch_inputs(pipe, examples)
         if args.history_noise > 0:
             noisy = torch.rand(len(examples)) < 0.5
             scale = torch.rand(len(examples)) * args.history_noise * noisy
             history = history + scale.view(-1, 1, 1, 1, 1) * torch.randn_like(history)
         target_pix = torch.stack([_to_tensor(ex.target) for ex in examples])
-        x0 = pack(target_pix)
-        weight = _fg_weight(target_pix, [ex.target_scene for ex in examples])
+        x0 = _pack(pipe, target_pix)
+        weight = _fg_weight(pipe, target_pix, [ex.target_scene for ex in examples])
         b = x0.shape[0]
         sigma = torch.rand(b)
         grid = torch.rand(b) < args.grid_frac
@@ -236,12 +252,24 @@ def train(args: argparse.Namespace) -> None:
         opt.step()
         run.finish_step(loss=f"{loss.item():.4f}")
     run.end()
-    export(run.ema, Path(args.out))
+    export(pipe, run.ema, Path(args.out))
 
 
-def export(ema: torch.nn.ModuleDict, out: Path) -> None:
-    """Save the EMA weights as the served diffusers folder."""
-    pipe = build_stream_pipeline()
+def _load_autoencoder(path: str | None):
+    """The frozen autoencoder of a latent-space run (`stream_ae.py`), or None."""
+    if not path:
+        return None
+    from diffusers import AutoencoderTiny
+
+    ae = AutoencoderTiny.from_pretrained(path).eval()
+    ae.requires_grad_(False)
+    return ae
+
+
+def export(trained, ema: torch.nn.ModuleDict, out: Path) -> None:
+    """Save the EMA weights (and the autoencoder of `trained`) as the served diffusers
+    folder."""
+    pipe = build_stream_pipeline(trained.vae)
     pipe.transformer.load_state_dict(ema["transformer"].state_dict())
     pipe.text_encoder.load_state_dict(ema["text_encoder"].state_dict())
     pipe.save_pretrained(out, safe_serialization=True)
@@ -272,6 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--history-noise", type=float, default=0.1)
     p.add_argument("--bf16", action="store_true",
                    help="bf16 autocast (slower than fp32 for this small model on CPUs)")
+    p.add_argument("--autoencoder", default=None,
+                   help="a trained stream_ae folder: denoise its latents instead of pixels")
     p.add_argument("--export-only", action="store_true",
                    help="export the checkpoint's EMA weights to --out without training")
     parse_and_train(p, argv, train)

@@ -110,7 +110,7 @@ def test_served_chunks_equal_the_training_sampler(model):
         model._advance(streams, x)
         made.append(x)
     ours = torch.cat(made, dim=2)
-    pixels = ((stream_train.unpack(ours).clamp(-1, 1) + 1) * 127.5).round()
+    pixels = ((pipe.unpack(ours).clamp(-1, 1) + 1) * 127.5).round()
     pixels = pixels.permute(0, 2, 3, 4, 1).numpy()
     for row, video in enumerate(served):
         assert np.abs(pixels[row] - video.astype(np.float32)).max() <= 1
@@ -149,6 +149,25 @@ def test_training_resumes_and_exports_a_servable_folder(tmp_path):
     assert torch.load(work / "checkpoint.pt", weights_only=False)["step"] == 3
     served = load_model(str(out), name="shapes-stream-test")
     assert served.spec.streaming
+    video = ev.run_streams(served, ev.held_out_schedules(1, 9, 9, switches=0), 9, steps=1)[0]
+    assert video.shape == (9, 64, 64, 3)
+
+
+def test_latent_space_training_serves_through_the_autoencoder(tmp_path):
+    """A run in the latent space of an autoencoder (`stream_ae`, here untrained) trains on
+    its [8, 8, 8] latents and exports a folder whose family decodes chunks through it."""
+    from genserve.demo_models import stream_ae, stream_train
+    from genserve.multimodal_gen.pipelines import load_model
+
+    ae_dir, out = tmp_path / "ae", tmp_path / "out"
+    stream_ae.export(stream_ae.build_autoencoder(), ae_dir, count=8)
+    stream_train.main(["--work-dir", str(tmp_path / "work"), "--out", str(out),
+                       "--batch-size", "2", "--rollout-steps", "1", "--rollout-frac", "0.5",
+                       "--steps", "1", "--autoencoder", str(ae_dir)])
+    served = load_model(str(out), name="shapes-stream-latent-test")
+    assert served.pipe.latent_shape == (stream_ae.LATENT_CHANNELS, 8)
+    stream = served.new_stream(0, 64, 64)
+    assert stream.history.shape[1:] == (stream_ae.LATENT_CHANNELS, 19, 8, 8)
     video = ev.run_streams(served, ev.held_out_schedules(1, 9, 9, switches=0), 9, steps=1)[0]
     assert video.shape == (9, 64, 64, 3)
 
