@@ -155,9 +155,13 @@ async def realtime(ws_url: str, rng: random.Random, tally: Tally) -> None:
                 return
 
 
-async def lane(name: str, job: Any, until: float, rng: random.Random, tally: Tally) -> None:
-    """Run `job` back to back until `until`; an exception is a lost request."""
-    while time.monotonic() < until:
+async def lane(name: str, job: Any, until: float, rng: random.Random, tally: Tally,
+               runs: int | None = None) -> None:
+    """Run `job` back to back until `until` (or `runs` times, when given); an exception is a
+    lost request."""
+    done = 0
+    while time.monotonic() < until and (runs is None or done < runs):
+        done += 1
         try:
             await job(rng, tally)
         except Exception as exc:
@@ -166,7 +170,11 @@ async def lane(name: str, job: Any, until: float, rng: random.Random, tally: Tal
 
 
 async def traffic(server: ServerProcess, duration: float, warmup: float, seed: int,
-                  lanes: int) -> dict[str, Any]:
+                  lanes: int, per_lane: int | None = None) -> dict[str, Any]:
+    """Every kind of traffic side by side for `duration` seconds; with `per_lane`, each lane
+    stops after that many requests (whichever comes first): a lane's random choices (which
+    streams are dropped, which jobs cancelled) then depend on `seed` alone, not on the
+    machine's speed."""
     tally = Tally()
     rng = random.Random(seed)
     ws_url = server.url.replace("http://", "ws://")
@@ -186,7 +194,7 @@ async def traffic(server: ServerProcess, duration: float, warmup: float, seed: i
             "video": lambda r, t: video(http, r, t),
             "realtime": lambda r, t: realtime(ws_url, r, t),
         }
-        tasks = [lane(name, job, until, random.Random(rng.random()), tally)
+        tasks = [lane(name, job, until, random.Random(rng.random()), tally, per_lane)
                  for name, job in jobs.items() for _ in range(lanes)]
         await asyncio.gather(sample_after_warmup(), *tasks)
     rss["end"] = await asyncio.to_thread(server.rss_mib)
