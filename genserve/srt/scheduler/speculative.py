@@ -102,8 +102,8 @@ def create_speculation(args: EngineArgs, draft: ModelRunner | None,
 
         if draft is None:
             raise ValueError("--speculative-algorithm eagle needs the EAGLE head's runner")
-        return EagleProposer(draft, args.speculative_draft_steps(),  # type: ignore[arg-type]
-                             args.chunked_prefill_size)
+        return EagleProposer(draft,  # type: ignore[arg-type]  # an EagleRunner here
+                             args.speculative_draft_steps(), args.chunked_prefill_size)
     if draft is None:
         raise ValueError("--speculative-algorithm draft needs the draft model's runner")
     return DraftModelProposer(draft, args.speculative_draft_steps(), args.chunked_prefill_size)

@@ -3,7 +3,9 @@ target's features and proposes each speculating request's next k tokens greedily
 forward per token, all such requests batched (chain drafting: one candidate per step).
 
 The target's runner captures its features (normed last-layer hidden states) in every forward
-while EAGLE is on; they are kept per target row, for positions the head has not consumed yet.
+while EAGLE is on; they are kept per target row, for positions the head has not consumed yet
+(hidden_size values per token; a request that cannot speculate drops them at each drafting
+round, and all go when the request leaves its row).
 Per request, `EagleState.done` counts the positions with head KV: entry i reads token i + 1 and
 the target's feature f_i, and sits in the slot of the target's position i. Each round, the head
 first catches up with the entries the target's KV got since (positions done .. kv_len - 1, an
