@@ -84,13 +84,16 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
                    choices=llm_args.SPECULATIVE_ALGORITHMS,
                    help="Speculative decoding. ngram: draft tokens by prompt lookup (the "
                         "request's own prompt and output); draft: a smaller model with the "
-                        "same tokenizer proposes them (--speculative-draft-model-path). The "
+                        "same tokenizer proposes them (--speculative-draft-model-path); "
+                        "eagle: an EAGLE-1/2 head (LlamaForCausalLMEagle folder at "
+                        "--speculative-draft-model-path) drafts from the target's features. The "
                         "target verifies them in one forward; greedy output is unchanged, "
                         "sampled output keeps its distribution.")
     g.add_argument("--speculative-draft-model-path", default=None, metavar="PATH",
-                   help="draft: the draft model (HF folder, .gguf, or a served name).")
+                   help="draft: the draft model (HF folder, .gguf, or a served name); "
+                        "eagle: the EAGLE head's folder.")
     g.add_argument("--speculative-num-steps", type=int, default=None,
-                   help="draft: tokens the draft model proposes per decode step (default: "
+                   help="draft, eagle: tokens drafted per decode step (default: "
                         "--speculative-num-draft-tokens).")
     g.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="Draft tokens verified per decode step (default 4).")

@@ -23,6 +23,11 @@ from genserve.srt.sampling.sampling_params import SamplingParams
 from genserve.srt.scheduler.scheduler import Scheduler
 from genserve.srt.server_args import EngineArgs
 from genserve.srt.speculative.draft_model import build_draft_runner, resolve_draft_model
+from genserve.srt.speculative.eagle_model import (
+    EagleCheckpoint,
+    EagleRunner,
+    resolve_eagle_checkpoint,
+)
 from genserve.srt.tokenizer_manager import load_tokenizer, make_tokenized_req
 
 if TYPE_CHECKING:
@@ -163,6 +168,8 @@ def build_runtime(
     context_length = context_length_for(args, config)
     draft = None if args.speculative_algorithm != "draft" else resolve_draft_model(
         args, config, tokenizer, context_length, pooled=pooling is not None)
+    if args.speculative_algorithm == "eagle":
+        draft = resolve_eagle_checkpoint(args, config, pooled=pooling is not None)
     if args.tp_size == 1:
         runner = ModelRunner(args, config, folder, context_length, source_precision,
                              pooling=pooling, plan_pool=named_plan,
@@ -173,7 +180,9 @@ def build_runtime(
             args, config, folder, context_length, source_precision, log_level, on_rank_death,
             named_plan,
         )
-    draft_runner = build_draft_runner(args, draft, runner, context_length) if draft else None
+    draft_runner = None if draft is None else (
+        EagleRunner(draft, runner) if isinstance(draft, EagleCheckpoint)
+        else build_draft_runner(args, draft, runner, context_length))
     scheduler = Scheduler(args, runner, tokenizer, draft_runner)
     if runner.compiled:
         warm_up_compiled_decode(scheduler)

@@ -56,6 +56,13 @@ class ForwardBatch:
     image_blocks: list[list[tuple[int, int]]] | None = None
     # Multi-LoRA: which rows use which adapter slot (None: the base model for every row).
     lora: LoRABatch | None = None
+    # EAGLE speculation (`speculative/eagle.py`): `capture_hidden` asks a Llama-family target
+    # to leave the normed final hidden states of every new token in `hidden_out` [tokens,
+    # hidden]; an EAGLE head reads the target's features from `hidden_in` [tokens, hidden] and
+    # leaves its own output features of the `logits_indices` rows in `hidden_out`.
+    capture_hidden: bool = False
+    hidden_in: torch.Tensor | None = None
+    hidden_out: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -209,6 +209,9 @@ class ModelRunner:
             self.lora.add(name, path)  # type: ignore[union-attr]
         # The warm-up compile's outcome: {cache_hit, cache_loaded, seconds} (engine_core).
         self.compile_report: dict | None = None
+        # EAGLE speculation: given every forward's batch with the target's features in
+        # `hidden_out` (None: no forward captures them).
+        self.on_hidden: Callable[[ForwardBatch], None] | None = None
 
     def _lora_refusal(self, args: EngineArgs, pooling: PoolingSpec | None) -> str | None:
         """Why this model serves no LoRA adapters, or None when it does."""
@@ -476,6 +479,7 @@ class ModelRunner:
             image_blocks=image_blocks,
             lora=self.lora.make_batch(lora_slots, extend_lens)
             if self.lora is not None and lora_slots is not None else None,
+            capture_hidden=self.on_hidden is not None,
         )
 
     @torch.inference_mode()
@@ -494,6 +498,10 @@ class ModelRunner:
             self._compiled_decode is not None
             and fb.mode is ForwardMode.DECODE
             and fb.batch_size == 1
+            and not fb.capture_hidden
         ):
             return self._compiled_decode(fb)
-        return self.model(fb)
+        logits = self.model(fb)
+        if fb.capture_hidden and self.on_hidden is not None:
+            self.on_hidden(fb)
+        return logits

@@ -10,7 +10,7 @@ KERNELS = ("torch", "triton")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 QUANTIZATIONS = ("none", "int8wo", "int4wo", "auto")
-SPECULATIVE_ALGORITHMS = ("ngram", "draft")
+SPECULATIVE_ALGORITHMS = ("ngram", "draft", "eagle")
 LOAD_FORMATS = ("auto", "dummy")
 # How decode graphs are captured: "cuda" (torch.cuda.CUDAGraph); "eager" runs the same static
 # buffers, buckets and padding by calling the forward, the CPU path for tests only.
@@ -66,7 +66,8 @@ class EngineArgs:
     # own prompt and output and verifies up to num_draft_tokens per decode step, matching its
     # last 1..max tokens (longest first, at least min); "draft" has a smaller model with the
     # same tokenizer (speculative_draft_model_path) propose num_steps tokens greedily (None:
-    # num_draft_tokens), its KV in a pool of its own.
+    # num_draft_tokens), its KV in a pool of its own; "eagle" has an EAGLE head
+    # (speculative_draft_model_path) draft num_steps tokens from the target's features.
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
     speculative_draft_model_path: str | None = None
@@ -205,29 +206,35 @@ class EngineArgs:
                                  "drop one of them")
 
     def _check_draft_model(self) -> None:
-        draft = self.speculative_algorithm == "draft"
+        alg = self.speculative_algorithm
+        draft = alg in ("draft", "eagle")
+        what = "an EAGLE head folder" if alg == "eagle" else (
+            "a smaller model with the same tokenizer")
         if draft and not self.speculative_draft_model_path:
-            raise ValueError("--speculative-algorithm draft needs --speculative-draft-model-path "
-                             "(a smaller model with the same tokenizer)")
+            raise ValueError(f"--speculative-algorithm {alg} needs --speculative-draft-model-path "
+                             f"({what})")
         if self.speculative_draft_model_path and not draft:
             raise ValueError("--speculative-draft-model-path applies to --speculative-algorithm "
-                             f"draft, got {self.speculative_algorithm!r}")
+                             f"draft or eagle, got {alg!r}")
         if self.speculative_num_steps is not None:
             if not draft:
                 raise ValueError("--speculative-num-steps applies to --speculative-algorithm "
-                                 f"draft, got {self.speculative_algorithm!r}")
+                                 f"draft or eagle, got {alg!r}")
             if not 1 <= self.speculative_num_steps <= 64:
                 raise ValueError("speculative_num_steps must be in [1, 64], got "
                                  f"{self.speculative_num_steps}")
         if draft and self.tp_size > 1:
-            raise ValueError("--speculative-algorithm draft is not supported with --tp > 1 yet; "
+            raise ValueError(f"--speculative-algorithm {alg} is not supported with --tp > 1 yet; "
                              "drop one of them")
         if draft and self.lora_paths:
-            raise ValueError("--speculative-algorithm draft is not supported with LoRA adapters "
+            raise ValueError(f"--speculative-algorithm {alg} is not supported with LoRA adapters "
                              "(--lora-paths): the draft model has no adapters; use ngram")
+        if alg == "eagle" and self.compile:
+            raise ValueError("--speculative-algorithm eagle is not supported with --compile "
+                             "(the compiled decode step returns no features); drop one of them")
 
     def speculative_draft_steps(self) -> int:
-        """Tokens the draft model proposes per decode step (draft algorithm)."""
+        """Tokens the draft model or EAGLE head proposes per decode step."""
         return self.speculative_num_steps or self.speculative_num_draft_tokens
 
     def lora_slots(self) -> int:

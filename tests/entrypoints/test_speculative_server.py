@@ -1,8 +1,9 @@
-"""`genserve serve --speculative-algorithm ngram|draft` end to end: the official openai client
+"""`genserve serve --speculative-algorithm ngram|draft|eagle` end to end: the official openai client
 gets the same greedy answer whether the request speculates or decodes plainly (asking for
 logprobs makes it decode plainly on the same server), drafts are accepted (on an answer that
 copies its prompt for n-gram; from the served model itself as its own draft), and the pool is
-whole afterwards."""
+whole afterwards. The EAGLE server runs a random head written in the EAGLE-1/2 layout: its drafts
+are verified (and mostly rejected) without changing an answer, stop strings included."""
 
 from __future__ import annotations
 
@@ -87,3 +88,31 @@ def test_a_missing_draft_model_is_refused_at_start():
         with serve_process("--speculative-algorithm", "draft",
                            "--speculative-draft-model-path", "/no/such/draft", start_timeout=120):
             pass
+
+
+def test_an_eagle_server_keeps_greedy_answers_and_stop_strings(tmp_path):
+    from pathlib import Path
+
+    from genserve.srt.model_loader import resolve_model_folder
+    from tests.srt.test_speculative_eagle import write_eagle_head
+
+    head = write_eagle_head(tmp_path / "eagle", Path(resolve_model_folder(None)[0]))
+    with serve_process("--speculative-algorithm", "eagle", "--speculative-draft-model-path",
+                       str(head), "--speculative-num-steps", "3",
+                       "--max-total-tokens", "4096") as u:
+        client = openai.OpenAI(base_url=f"{u}/v1", api_key="none")
+        messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+        spec = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                              temperature=0)
+        plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                               temperature=0, logprobs=True)
+        answer = spec.choices[0].message.content
+        assert answer == plain.choices[0].message.content
+        stop = answer.split()[3]
+        cut = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                             temperature=0, stop=[stop])
+        assert cut.choices[0].finish_reason == "stop"
+        assert cut.choices[0].message.content == answer[: answer.index(stop)]
+        info = httpx.get(f"{u}/get_server_info?model={MODEL}", timeout=30).json()
+        assert info["stats"]["spec_verify_steps"] > 0, info["stats"]
+        assert info["available_tokens"] + info["cache"]["total_tokens"] == info["max_total_tokens"]

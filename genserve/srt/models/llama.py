@@ -227,6 +227,9 @@ class LlamaForCausalLM(CausalLM):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(fb.positions, hidden, residual, fb)
+        if fb.capture_hidden:  # an EAGLE head drafts from every token's features
+            fb.hidden_out, _ = self.norm(hidden, residual)
+            return fb.hidden_out.index_select(0, fb.logits_indices)
         # Only the rows whose logits are sampled go through the final norm and lm_head.
         hidden = hidden.index_select(0, fb.logits_indices)
         residual = residual.index_select(0, fb.logits_indices)  # type: ignore[union-attr]

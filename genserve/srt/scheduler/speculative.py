@@ -88,7 +88,8 @@ class NgramSpeculation:
 
 def create_speculation(args: EngineArgs, draft: ModelRunner | None,
                        multimodal: bool) -> Speculation | None:
-    """The scheduler's proposer for `--speculative-algorithm`, or None when it is off."""
+    """The scheduler's proposer for `--speculative-algorithm`, or None when it is off.
+    draft: the draft model's runner, or the EAGLE head's (`EagleRunner`)."""
     if args.speculative_algorithm is None:
         return None
     if multimodal:
@@ -96,6 +97,13 @@ def create_speculation(args: EngineArgs, draft: ModelRunner | None,
                          "drop --speculative-algorithm")
     if args.speculative_algorithm == "ngram":
         return NgramSpeculation(args)
+    if args.speculative_algorithm == "eagle":
+        from genserve.srt.speculative.eagle import EagleProposer
+
+        if draft is None:
+            raise ValueError("--speculative-algorithm eagle needs the EAGLE head's runner")
+        return EagleProposer(draft,  # type: ignore[arg-type]  # an EagleRunner here
+                             args.speculative_draft_steps(), args.chunked_prefill_size)
     if draft is None:
         raise ValueError("--speculative-algorithm draft needs the draft model's runner")
     return DraftModelProposer(draft, args.speculative_draft_steps(), args.chunked_prefill_size)
