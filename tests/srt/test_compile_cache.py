@@ -90,11 +90,11 @@ def test_automatic_pool_size_is_stable_across_small_memory_changes(tiny_model_fa
     from types import SimpleNamespace
 
     from genserve import Engine
-    from genserve.srt import model_runner
+    from genserve.srt import kv_pool_sizing
 
     sizes = []
     for available in (1.00e8, 1.01e8, 0.99e8):
-        monkeypatch.setattr(model_runner.psutil, "virtual_memory",
+        monkeypatch.setattr(kv_pool_sizing.psutil, "virtual_memory",
                             lambda a=available: SimpleNamespace(available=int(a)))
         engine = Engine(str(tiny_model_factory("llama")), dtype="float32")
         sizes.append(engine.runtime.runner.max_total_tokens)
