@@ -89,3 +89,10 @@ GENSERVE_MALLOC_TUNING = _Bool(
     "Diffusion processes keep tensor-sized blocks in glibc's heap instead of mmap (fewer page "
     "faults); 0 leaves glibc's defaults.",
 )
+GENSERVE_SPEC_COMPILED_VERIFY = _Bool(
+    "GENSERVE_SPEC_COMPILED_VERIFY",
+    "0",
+    "Under --compile, a lone request's speculative verify runs through the compiled decode "
+    "step as decode rows (genserve/srt/speculative/verify_rows.py); off by default because "
+    "each new row count compiles on first use.",
+)

@@ -374,8 +374,11 @@ class ModelRunner(KVPoolSizing):
         )
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Float32 logits [batch, vocab] of each request's last new token."""
+    def forward(self, fb: ForwardBatch, verify_rows: bool = False) -> torch.Tensor:
+        """Float32 logits [batch, vocab] of each request's last new token.
+
+        verify_rows: `fb` is one request's speculative verify laid out as decode rows (see
+        `speculative/verify_rows.py`); under --compile it runs the compiled decode step too."""
         if self.tp_workers is not None:
             from genserve.srt.tp_worker import forward_inputs
 
@@ -388,7 +391,7 @@ class ModelRunner(KVPoolSizing):
         if (
             self._compiled_decode is not None
             and fb.mode is ForwardMode.DECODE
-            and fb.batch_size == 1
+            and (fb.batch_size == 1 or verify_rows)
             and not fb.capture_hidden
         ):
             return self._compiled_decode(fb)

@@ -239,3 +239,30 @@ def test_draft_length_follows_acceptance_and_cost():
         prop.record(state, proposed=4, accepted=1)
     state.skip = 0
     assert len(prop.propose(state, ctx, [], limit=8, rho=0.2)) < 4
+
+
+def test_verify_as_decode_rows_keeps_greedy_output(tiny, monkeypatch):
+    """A lone request's verify laid out as decode rows of its one req_to_token row (what the
+    compiled decode step runs under GENSERVE_SPEC_COMPILED_VERIFY) gives plain decoding's
+    tokens; forced here on an eager float32 engine, where the layout is all that differs."""
+    from genserve.srt.scheduler import speculative
+    from genserve.srt.speculative.verify_rows import MAX_ROWS
+
+    calls = []
+
+    def always(runner, num_reqs, num_tokens):
+        use = num_reqs == 1 and 1 < num_tokens <= MAX_ROWS
+        calls.append(use)
+        return use
+
+    monkeypatch.setattr(speculative, "use_verify_rows", always)
+    params = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
+    prompts = [repetitive(i, 30 + 7 * i) for i in range(4)]
+    plain = Engine(tiny, dtype="float32", max_total_tokens=4096)
+    want = [plain.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
+    engine = spec_engine(tiny, speculative_num_draft_tokens=5)
+    got = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
+    assert got == want
+    assert any(calls), "no verify ran as decode rows: nothing was tested"
+    assert engine.scheduler.stats["spec_accepted_tokens"] > 0
+    engine.check_integrity()

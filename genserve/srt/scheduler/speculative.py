@@ -24,6 +24,7 @@ from genserve.srt.server_args import EngineArgs
 from genserve.srt.speculative import NgramProposer, can_speculate, verify_draft
 from genserve.srt.speculative.draft import DraftModelProposer
 from genserve.srt.speculative.ngram import ForwardCost, NgramState
+from genserve.srt.speculative.verify_rows import build_verify_rows, use_verify_rows
 
 if TYPE_CHECKING:
     from genserve.srt.model_runner import ModelRunner
@@ -136,18 +137,22 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
         input_ids.append(req.output_ids[-1])  # the last token, which has no KV yet
         input_ids.extend(draft)
         start += n
-    fb = s.runner.build_forward_batch(
-        ForwardMode.EXTEND,
-        [r.row for r in reqs],  # type: ignore[misc]
-        input_ids,
-        [r.kv_len for r in reqs],
-        lens,
-        slots,
-        lora_slots=[r.lora_slot for r in reqs],
-    )
-    fb.logits_indices = torch.arange(need, dtype=torch.int64, device=s.device)
+    rows = use_verify_rows(s.runner, len(reqs), need)
+    if rows:  # one request under --compile: the compiled decode step verifies
+        fb = build_verify_rows(s.runner, reqs[0].row, input_ids, reqs[0].kv_len, slots)
+    else:
+        fb = s.runner.build_forward_batch(
+            ForwardMode.EXTEND,
+            [r.row for r in reqs],  # type: ignore[misc]
+            input_ids,
+            [r.kv_len for r in reqs],
+            lens,
+            slots,
+            lora_slots=[r.lora_slot for r in reqs],
+        )
+        fb.logits_indices = torch.arange(need, dtype=torch.int64, device=s.device)
     started = time.perf_counter()
-    logits = s.runner.forward(fb)
+    logits = s.runner.forward(fb, verify_rows=rows)
     s.stats["decode_steps"] += 1
     s.stats["spec_verify_steps"] += 1
     plain: list[Req] = []
