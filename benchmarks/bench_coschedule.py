@@ -48,40 +48,65 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
 
 
-async def realtime_stream(url: str, start: dict, stop: asyncio.Event) -> dict:
-    """A continuous realtime session until `stop`: the gaps (s) between its final frames."""
+async def realtime_stream(url: str, start: dict, stop: asyncio.Event, timeout: float) -> dict:
+    """A continuous realtime session until `stop`: the gaps (s) between its final frames.
+
+    Any wait for the server longer than `timeout` (connecting, a frame, the `done` after
+    `stop`) is an error, not a hang."""
     ws_url = url.replace("http://", "ws://") + "/v1/realtime/video"
     finals: list[float] = []
-    async with websockets.connect(ws_url, max_size=None) as ws:
+    async with asyncio.timeout(timeout):
+        ws = await websockets.connect(ws_url, max_size=None, open_timeout=timeout, close_timeout=5)
+    try:
         await ws.send(json.dumps({"type": "start", **start, "continuous": True}))
         stopping = False
+        last = time.perf_counter()  # the last message from the server
         while True:
             if stop.is_set() and not stopping:
                 await ws.send(json.dumps({"type": "stop"}))
-                stopping = True
+                stopping, last = True, time.perf_counter()
             try:
                 data = await asyncio.wait_for(ws.recv(), 0.5)
             except TimeoutError:
+                if time.perf_counter() - last > timeout:
+                    state = "the done after stop" if stopping else "a frame"
+                    raise RuntimeError(f"realtime: no message for {timeout} s ({state})") from None
                 continue
+            last = time.perf_counter()
             if isinstance(data, bytes):
                 header, _ = decode_frame(data)
                 if header.kind == FrameKind.FINAL and not stopping:
-                    finals.append(time.perf_counter())
+                    finals.append(last)
                 continue
             msg = json.loads(data)
             if msg["type"] == "error":
-                raise RuntimeError(f"realtime: {msg['message']}")
-            if msg["type"] == "done":
+                raise RuntimeError(f"realtime: {msg.get('code')}: {msg.get('message')}")
+            if msg["type"] == "done" and stopping:
                 break
+            if msg["type"] == "done":  # the server ended the run before `stop`
+                raise RuntimeError(f"realtime: the run ended before stop: {msg}")
+    finally:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(5):
+                await ws.close()
     gaps = [b - a for a, b in zip(finals, finals[1:])]
-    return {"frames": len(finals), "gap_p50_ms": pct(gaps, 50) * 1e3,
-            "gap_p99_ms": pct(gaps, 99) * 1e3, "gap_max_ms": max(gaps, default=float("nan")) * 1e3}
+    return {
+        "frames": len(finals),
+        "gap_p50_ms": pct(gaps, 50) * 1e3,
+        "gap_p99_ms": pct(gaps, 99) * 1e3,
+        "gap_max_ms": max(gaps, default=float("nan")) * 1e3,
+    }
 
 
 async def chat_one(client: httpx.AsyncClient, model: str, max_tokens: int, i: int) -> float:
     """One streamed chat completion: seconds to its first content token."""
-    body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
-            "messages": [{"role": "user", "content": f"Tell me a short story about robot {i}."}]}
+    body = {
+        "model": model,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": f"Tell me a short story about robot {i}."}],
+    }
     t0 = time.perf_counter()
     ttft = None
     async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
@@ -95,59 +120,80 @@ async def chat_one(client: httpx.AsyncClient, model: str, max_tokens: int, i: in
     return ttft if ttft is not None else time.perf_counter() - t0
 
 
-async def chat_rounds(url: str, model: str, streams: int, max_tokens: int,
-                      stop: asyncio.Event, min_rounds: int = 1) -> dict:
-    """Rounds of `streams` concurrent chats until `stop` (at least `min_rounds`)."""
+async def chat_rounds(
+    url: str,
+    model: str,
+    streams: int,
+    max_tokens: int,
+    stop: asyncio.Event,
+    timeout: float,
+    min_rounds: int = 1,
+) -> dict:
+    """Rounds of `streams` concurrent chats until `stop` (at least `min_rounds`); a chat that
+    takes longer than `timeout` is an error."""
     ttfts: list[float] = []
     rounds = 0
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
         while rounds < min_rounds or not stop.is_set():
-            ttfts += await asyncio.gather(*(chat_one(client, model, max_tokens, rounds * 100 + i)
-                                            for i in range(streams)))
+            ttfts += await asyncio.gather(
+                *(
+                    asyncio.wait_for(chat_one(client, model, max_tokens, rounds * 100 + i), timeout)
+                    for i in range(streams)
+                )
+            )
             rounds += 1
-    return {"requests": len(ttfts), "ttft_p50_ms": pct(ttfts, 50) * 1e3,
-            "ttft_p95_ms": pct(ttfts, 95) * 1e3}
+    return {
+        "requests": len(ttfts),
+        "ttft_p50_ms": pct(ttfts, 50) * 1e3,
+        "ttft_p95_ms": pct(ttfts, 95) * 1e3,
+    }
 
 
-async def image_burst(url: str, count: int, image: dict) -> dict:
-    """`count` image requests at once: images per second over the burst."""
-    async with httpx.AsyncClient(base_url=url, timeout=1200) as client:
+async def image_burst(url: str, count: int, image: dict, timeout: float) -> dict:
+    """`count` image requests at once: images per second over the burst (the burst taking
+    longer than `timeout` is an error)."""
+    async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
         t0 = time.perf_counter()
 
         async def one(i: int) -> None:
-            resp = await client.post("/v1/images/generations",
-                                     json={**image, "prompt": f"a red circle {i}", "seed": i})
+            resp = await client.post(
+                "/v1/images/generations", json={**image, "prompt": f"a red circle {i}", "seed": i}
+            )
             resp.raise_for_status()
 
-        await asyncio.gather(*(one(i) for i in range(count)))
+        await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(count))), timeout)
         seconds = time.perf_counter() - t0
     return {"images": count, "seconds": seconds, "images_per_s": count / seconds}
 
 
-async def _alone_realtime(url: str, start: dict, seconds: float) -> dict:
+async def _alone_realtime(url: str, start: dict, args: argparse.Namespace) -> dict:
     stop = asyncio.Event()
-    task = asyncio.create_task(realtime_stream(url, start, stop))
-    await asyncio.sleep(seconds)
+    task = asyncio.create_task(realtime_stream(url, start, stop, args.timeout))
+    await asyncio.sleep(args.seconds)
     stop.set()
     return await task
 
 
 async def _alone_chat(url: str, model: str, args: argparse.Namespace) -> dict:
     stop = asyncio.Event()
-    task = asyncio.create_task(chat_rounds(url, model, args.chat_streams, args.max_tokens, stop))
+    task = asyncio.create_task(
+        chat_rounds(url, model, args.chat_streams, args.max_tokens, stop, args.timeout)
+    )
     await asyncio.sleep(args.seconds)
     stop.set()
     return await task
 
 
-async def _together(url: str, model: str, start: dict, image: dict,
-                    args: argparse.Namespace) -> dict:
+async def _together(
+    url: str, model: str, start: dict, image: dict, args: argparse.Namespace
+) -> dict:
     stop_rt, stop_chat = asyncio.Event(), asyncio.Event()
-    rt = asyncio.create_task(realtime_stream(url, start, stop_rt))
+    rt = asyncio.create_task(realtime_stream(url, start, stop_rt, args.timeout))
     await asyncio.sleep(args.warmup)  # the stream is running before the others start
-    chat = asyncio.create_task(chat_rounds(url, model, args.chat_streams, args.max_tokens,
-                                           stop_chat))
-    images = await image_burst(url, args.images, image)
+    chat = asyncio.create_task(
+        chat_rounds(url, model, args.chat_streams, args.max_tokens, stop_chat, args.timeout)
+    )
+    images = await image_burst(url, args.images, image, args.timeout)
     stop_chat.set()
     stop_rt.set()
     return {"realtime": await rt, "chat": await chat, "images": images}
@@ -159,22 +205,29 @@ async def measure(url: str, args: argparse.Namespace) -> dict:
         info = (await client.get("/get_server_info")).json()
     llms = [m["id"] for m in models if m.get("kind") == "llm"]
     model = args.chat_model or llms[0]
-    start = {"model": "shapes-video", "prompt": "a blue square moving right", "seed": 1,
-             "fps": args.fps, "preview_format": "jpeg"}
+    start = {
+        "model": "shapes-video",
+        "prompt": "a blue square moving right",
+        "seed": 1,
+        "fps": args.fps,
+        "preview_format": "jpeg",
+    }
     if args.realtime_steps:
         start["num_inference_steps"] = args.realtime_steps
     image = {"model": "shapes-image", "response_format": "b64_json"}
     if args.image_steps:
         image["num_inference_steps"] = args.image_steps
     log("warm-up")
-    await image_burst(url, 1, image)  # warm-up: first calls pay one-time costs
-    await chat_rounds(url, model, 1, 4, asyncio.Event())
+    await image_burst(url, 1, image, args.timeout)  # warm-up: first calls pay one-time costs
+    done = asyncio.Event()
+    done.set()  # one round only: a never-set event would loop forever
+    await chat_rounds(url, model, 1, 4, done, args.timeout)
     log("realtime alone")
-    alone = {"realtime": await _alone_realtime(url, start, args.seconds)}
+    alone = {"realtime": await _alone_realtime(url, start, args)}
     log("chat alone")
     alone["chat"] = await _alone_chat(url, model, args)
     log("images alone")
-    alone["images"] = await image_burst(url, args.images, image)
+    alone["images"] = await image_burst(url, args.images, image, args.timeout)
     log("together")
     together = await _together(url, model, start, image, args)
     ratios = {
@@ -182,23 +235,36 @@ async def measure(url: str, args: argparse.Namespace) -> dict:
         "chat_ttft_ratio": together["chat"]["ttft_p95_ms"] / alone["chat"]["ttft_p95_ms"],
         "image_rate_ratio": together["images"]["images_per_s"] / alone["images"]["images_per_s"],
     }
-    met = {k: (v <= TARGETS[k] if k != "image_rate_ratio" else v >= TARGETS[k])
-           for k, v in ratios.items()}
-    return {"chat_model": model, "thread_split": info.get("thread_split"), "alone": alone,
-            "together": together, "ratios": ratios, "targets": TARGETS, "met": met}
+    met = {
+        k: (v <= TARGETS[k] if k != "image_rate_ratio" else v >= TARGETS[k])
+        for k, v in ratios.items()
+    }
+    return {
+        "chat_model": model,
+        "frame_interval_ms": 1e3 / args.fps,  # the configured one; "alone" is the measured one
+        "thread_split": info.get("thread_split"),
+        "alone": alone,
+        "together": together,
+        "ratios": ratios,
+        "targets": TARGETS,
+        "met": met,
+    }
 
 
 def print_table(r: dict) -> None:
     a, t = r["alone"], r["together"]
     print(f"thread split: {r['thread_split']}")
+    print(f"configured frame interval: {r['frame_interval_ms']:.0f} ms")
     print(f"{'measure':<34}{'alone':>12}{'together':>12}")
-    rows = [("realtime final frames", "realtime", "frames", "{:.0f}"),
-            ("realtime frame gap p50 (ms)", "realtime", "gap_p50_ms", "{:.0f}"),
-            ("realtime frame gap p99 (ms)", "realtime", "gap_p99_ms", "{:.0f}"),
-            ("chat requests", "chat", "requests", "{:.0f}"),
-            ("chat TTFT p50 (ms)", "chat", "ttft_p50_ms", "{:.0f}"),
-            ("chat TTFT p95 (ms)", "chat", "ttft_p95_ms", "{:.0f}"),
-            ("images per second", "images", "images_per_s", "{:.3f}")]
+    rows = [
+        ("realtime final frames", "realtime", "frames", "{:.0f}"),
+        ("realtime frame gap p50 (ms)", "realtime", "gap_p50_ms", "{:.0f}"),
+        ("realtime frame gap p99 (ms)", "realtime", "gap_p99_ms", "{:.0f}"),
+        ("chat requests", "chat", "requests", "{:.0f}"),
+        ("chat TTFT p50 (ms)", "chat", "ttft_p50_ms", "{:.0f}"),
+        ("chat TTFT p95 (ms)", "chat", "ttft_p95_ms", "{:.0f}"),
+        ("images per second", "images", "images_per_s", "{:.3f}"),
+    ]
     for label, part, key, fmt in rows:
         print(f"{label:<34}{fmt.format(a[part][key]):>12}{fmt.format(t[part][key]):>12}")
     for key, value in r["ratios"].items():
@@ -233,11 +299,18 @@ def main() -> int:
     p.add_argument("--image-steps", type=int, default=None)
     p.add_argument("--realtime-steps", type=int, default=None)
     p.add_argument("--fps", type=int, default=8)
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=180.0,
+        help="seconds any one client call may wait before it is an error",
+    )
     p.add_argument("--smoke", action="store_true", help="toy sizes: checks the output shape")
     args = p.parse_args()
     if args.smoke:
         args.seconds, args.warmup, args.chat_streams, args.max_tokens = 2.0, 0.5, 2, 4
         args.images, args.image_steps, args.realtime_steps = 2, 2, 2
+        args.timeout = min(args.timeout, 30.0)
     with _server(args) as url:
         result = asyncio.run(measure(url, args))
     print_table(result)
