@@ -6,9 +6,10 @@ shapes-video; `--quantization` pinned) and measures, side by side in one run:
   (a) realtime alone: a continuous realtime session (shapes-video); the gaps between the final
       frames it delivers;
   (b) chat alone: rounds of `--chat-streams` concurrent streamed chat completions; TTFT p50/p95;
-  (c) images alone: a burst of `--images` concurrent image requests (shapes-image); images/s;
-  (d) all three together: the realtime session runs while the chat rounds and the image burst
-      run beside it (the window ends when the burst is done).
+  (c) images alone: bursts of `--images` concurrent image requests (shapes-image), back to
+      back for `--seconds`; images/s;
+  (d) all three together: the realtime session runs while the chat rounds and the image
+      bursts run beside it for `--seconds` (the stream starts `--warmup` s earlier).
 
 It prints a table and the three ratios against the targets of issue 35 (the realtime stream's
 p99 frame gap together <= 1.5x its p99 gap alone; chat TTFT p95 <= 1.3x alone; image
@@ -166,6 +167,23 @@ async def image_burst(url: str, count: int, image: dict, timeout: float) -> dict
     return {"images": count, "seconds": seconds, "images_per_s": count / seconds}
 
 
+async def image_bursts(
+    url: str, count: int, image: dict, stop: asyncio.Event, timeout: float
+) -> dict:
+    """Bursts of `count` images, back to back, until `stop` (at least one): images per second
+    over all of them, so the window is as long as the others' (not one short burst)."""
+    images, seconds, bursts = 0, 0.0, 0
+    while bursts == 0 or not stop.is_set():
+        burst = await image_burst(url, count, image, timeout)
+        images, seconds, bursts = images + count, seconds + burst["seconds"], bursts + 1
+    return {
+        "images": images,
+        "bursts": bursts,
+        "seconds": seconds,
+        "images_per_s": images / seconds,
+    }
+
+
 async def _alone_realtime(url: str, start: dict, args: argparse.Namespace) -> dict:
     stop = asyncio.Event()
     task = asyncio.create_task(realtime_stream(url, start, stop, args.timeout))
@@ -193,10 +211,12 @@ async def _together(
     chat = asyncio.create_task(
         chat_rounds(url, model, args.chat_streams, args.max_tokens, stop_chat, args.timeout)
     )
-    images = await image_burst(url, args.images, image, args.timeout)
+    images = asyncio.create_task(image_bursts(url, args.images, image, stop_chat, args.timeout))
+    await asyncio.sleep(args.seconds)
     stop_chat.set()
-    stop_rt.set()
-    return {"realtime": await rt, "chat": await chat, "images": images}
+    chat_result, images_result = await chat, await images
+    stop_rt.set()  # after the load ends: the stream is measured under all of it
+    return {"realtime": await rt, "chat": chat_result, "images": images_result}
 
 
 async def measure(url: str, args: argparse.Namespace) -> dict:
@@ -227,7 +247,11 @@ async def measure(url: str, args: argparse.Namespace) -> dict:
     log("chat alone")
     alone["chat"] = await _alone_chat(url, model, args)
     log("images alone")
-    alone["images"] = await image_burst(url, args.images, image, args.timeout)
+    stop_images = asyncio.Event()
+    images = asyncio.create_task(image_bursts(url, args.images, image, stop_images, args.timeout))
+    await asyncio.sleep(args.seconds)
+    stop_images.set()
+    alone["images"] = await images
     log("together")
     together = await _together(url, model, start, image, args)
     ratios = {

@@ -19,7 +19,8 @@ def test_coschedule_smoke(shapes_demo_server):
     for part in (s["alone"], s["together"]):
         has_keys(part["realtime"], "frames", "gap_p50_ms", "gap_p99_ms")
         has_keys(part["chat"], "requests", "ttft_p50_ms", "ttft_p95_ms")
-        assert part["images"]["images"] == 2 and part["images"]["images_per_s"] > 0
+        images = part["images"]["images"]  # whole bursts of 2 (--smoke)
+        assert images >= 2 and images % 2 == 0 and part["images"]["images_per_s"] > 0
         assert part["chat"]["requests"] >= 2 and part["realtime"]["frames"] >= 2
     assert set(s["ratios"]) == set(s["targets"]) == set(s["met"])
     assert "realtime_gap_ratio" in out and "target" in out
