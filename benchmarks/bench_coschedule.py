@@ -238,10 +238,12 @@ async def measure(url: str, args: argparse.Namespace) -> dict:
     if args.image_steps:
         image["num_inference_steps"] = args.image_steps
     log("warm-up")
-    await image_burst(url, 1, image, args.timeout)  # warm-up: first calls pay one-time costs
+    # First calls pay one-time costs (and a batch shape's first use its own): one burst and one
+    # round at the sizes measured.
+    await image_burst(url, args.images, image, args.timeout)
     done = asyncio.Event()
     done.set()  # one round only: a never-set event would loop forever
-    await chat_rounds(url, model, 1, 4, done, args.timeout)
+    await chat_rounds(url, model, args.chat_streams, args.max_tokens, done, args.timeout)
     log("realtime alone")
     alone = {"realtime": await _alone_realtime(url, start, args)}
     log("chat alone")
