@@ -54,11 +54,14 @@ def create_app(
     llm_clients: list[LLMEngineClient],
     diffusion_client: DiffusionClient | None = None,
     memory_plan: dict[str, Any] | None = None,
+    thread_split: dict[str, Any] | None = None,
 ) -> FastAPI:
     """Build the gateway for these runtimes. The caller owns the clients (starts and shuts
     them down); the app only talks to them. memory_plan: the server's memory plan, shown by
-    /get_server_info (`entrypoints/memory_planner.py`)."""
-    state = GatewayState(config, list(llm_clients), diffusion_client, memory_plan=memory_plan)
+    /get_server_info (`entrypoints/memory_planner.py`); thread_split: the runtimes' torch
+    threads, shown there too (`genserve/thread_split.py`)."""
+    state = GatewayState(config, list(llm_clients), diffusion_client, memory_plan=memory_plan,
+                         thread_split=thread_split)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -65,7 +65,8 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunked-prefill-size", type=int, default=None)
     g.add_argument("--page-size", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None,
-                   help="torch threads of the LLM scheduler process (default: torch's choice).")
+                   help="torch threads of each LLM scheduler process (default: the thread "
+                        "split of genserve/thread_split.py).")
     g.add_argument("--tp", "--tp-size", dest="tp_size", type=int, default=None, metavar="N",
                    help="Tensor parallelism: split every layer's heads and columns over N "
                         "processes (one GPU each on CUDA, gloo on CPU). Text models of the "
@@ -124,6 +125,9 @@ def _add_diffusion_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--step-cache", default="none", choices=diffusion_options.STEP_CACHE_KINDS)
     g.add_argument("--step-cache-threshold", type=float, default=None)
     g.add_argument("--diffusion-max-batch-size", type=int, default=4)
+    g.add_argument("--diffusion-num-threads", type=int, default=None,
+                   help="torch threads of the diffusion worker (default: GENSERVE_NUM_THREADS, "
+                        "else the thread split of genserve/thread_split.py).")
     g.add_argument("--diffusion-batch-delay-ms", type=float, default=10.0)
     g.add_argument("--diffusion-cpu-offload", action="store_true",
                    help="The same as --diffusion-offload model.")

@@ -31,6 +31,7 @@ from genserve.entrypoints.config import GatewayConfig
 from genserve.entrypoints.memory_planner import PlanAborted, ServerMemoryPlanner
 from genserve.entrypoints.middleware import LOOPBACK_HOST_NAMES
 from genserve.srt.client import LLMEngineClient
+from genserve.thread_split import ThreadSplit, available_cores, split_threads
 
 logger = logging.getLogger("genserve.serve")
 
@@ -125,6 +126,26 @@ def host_only(device: str) -> bool:
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
         return True
     return not os.path.exists("/proc/driver/nvidia/version")
+
+
+def plan_threads(args: argparse.Namespace, want_llm: bool, want_diffusion: bool,
+                 cores: int | None = None) -> ThreadSplit:
+    """The thread split of this server (genserve/thread_split.py), written into `args` for the
+    runtimes to start with: `num_threads` of each LLM process, `diffusion_num_threads`. Several
+    diffusion workers or context-parallel ranks keep their own division of the cores."""
+    env_threads = envs.GENSERVE_NUM_THREADS.get() or None
+    split = split_threads(
+        available_cores() if cores is None else cores,
+        len(llm_paths(args)) if want_llm else 0, want_diffusion,
+        llm_override=getattr(args, "num_threads", None),
+        diffusion_override=getattr(args, "diffusion_num_threads", None) or env_threads)
+    if split.llm_threads:
+        args.num_threads = split.llm_threads
+    several = (getattr(args, "diffusion_workers", None) or 1) > 1 or (
+        getattr(args, "diffusion_cp", None) or 1) > 1
+    if split.diffusion_threads and not several:
+        args.diffusion_num_threads = split.diffusion_threads
+    return split
 
 
 def import_async_engine() -> Any:
@@ -328,10 +349,15 @@ async def serve(args: argparse.Namespace, log_level: str) -> None:
     diffusion: list[Any] = []  # the diffusion client, once started
     planner = ServerMemoryPlanner(len(llm_paths(args)) if want_llm else 0, want_diffusion,
                                   getattr(args, "mem_fraction", None))
+    threads = plan_threads(args, want_llm, want_diffusion)
+    logger.info("thread split on %d cores: %d per LLM process (%d), %d for diffusion (%s)",
+                threads.cores, threads.llm_threads, threads.llm_processes,
+                threads.diffusion_threads, threads.rule)
     try:
         await _start_runtimes(args, llm_clients, diffusion, planner)
         diffusion_client = diffusion[0] if diffusion else None
-        app = create_app(config, llm_clients, diffusion_client, memory_plan=planner.report())
+        app = create_app(config, llm_clients, diffusion_client, memory_plan=planner.report(),
+                         thread_split=threads.as_dict())
         server = _make_server(app, config, log_level, args.shutdown_timeout)
         host = f"[{config.host}]" if ":" in config.host else config.host
         logger.info("genserve listening on http://%s:%d (models: %s)", host, config.port,

@@ -51,6 +51,7 @@ class GatewayState:
     llm_clients: list[LLMEngineClient]
     diffusion_client: DiffusionClient | None = None
     memory_plan: dict[str, Any] | None = None  # the server's memory plan (memory_planner.py)
+    thread_split: dict[str, Any] | None = None  # the runtimes' torch threads (thread_split.py)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     admission: Admission = field(init=False)
     # The LLM families' serving objects (answering 503 / 404 per request when no LLM serves).

@@ -15,6 +15,12 @@ change; the price is the steps already done (the worker only regroups in the fir
 the steps, and at most once per request). Before the first step (the prompts encoded, nothing
 denoised) it regroups only when the newcomers fill the batch, since the rest of a burst is
 usually still arriving.
+
+Requests with a frame deadline (realtime and streaming chunks, `ResolvedRequest.urgent`) come
+first: the one with the earliest deadline heads the next batch, which only urgent requests join,
+and it is due at once (no batch delay). While a batch of other work runs, the worker takes them
+out with `pop_urgent` at a step boundary and runs them before the paused batch goes on
+(worker.py).
 """
 
 from __future__ import annotations
@@ -64,10 +70,21 @@ class RequestBatcher:
                 return True
         return False
 
-    def _candidates(self) -> list[_Queued]:
-        head = self._queue[0]
+    def _head(self, exclude_model: str | None = None) -> _Queued | None:
+        """The request that decides the next batch: the urgent one with the earliest deadline,
+        else the oldest (None when nothing is queued)."""
+        urgent = [item for item in self._queue
+                  if item.req.urgent and item.req.model != exclude_model]
+        if urgent:
+            return min(urgent, key=lambda item: item.req.deadline)
+        return self._queue[0] if self._queue else None
+
+    def _candidates(self, head: _Queued | None = None) -> list[_Queued]:
+        head = self._head() if head is None else head
         batch, outputs = [head], head.req.num_outputs
-        for item in self._queue[1:]:
+        for item in self._queue:
+            if item is head or item.req.urgent != head.req.urgent:
+                continue
             if item.req.batch_key != head.req.batch_key:
                 continue
             if outputs + item.req.num_outputs > self.max_batch_size:
@@ -82,9 +99,10 @@ class RequestBatcher:
             return None
         now = time.monotonic() if now is None else now
         batch = self._candidates()
-        if batch[0].quiet or sum(item.req.num_outputs for item in batch) >= self.max_batch_size:
+        if batch[0].quiet or batch[0].req.urgent or (
+                sum(item.req.num_outputs for item in batch) >= self.max_batch_size):
             return 0.0
-        return max(0.0, self._queue[0].arrived + self.delay_s - now)
+        return max(0.0, batch[0].arrived + self.delay_s - now)
 
     def pop_batch(self, now: float | None = None) -> list[ResolvedRequest]:
         """The next batch if it is due, else []. Popped requests leave the queue."""
@@ -97,15 +115,29 @@ class RequestBatcher:
         self._popped = batch
         return [item.req for item in batch]
 
+    def pop_urgent(self, exclude_model: str) -> list[ResolvedRequest]:
+        """The next batch of urgent requests of a model other than `exclude_model` (whose
+        pipeline is busy with the paused call), else []. Unlike `pop_batch` it leaves the
+        running batch's regroup state alone."""
+        head = self._head(exclude_model)
+        if head is None or not head.req.urgent:
+            return []
+        batch = self._candidates(head)
+        taken = {id(item) for item in batch}
+        self._queue = [item for item in self._queue if id(item) not in taken]
+        return [item.req for item in batch]
+
     def joinable(self) -> int:
         """How many outputs of queued requests could join the last popped batch (same key,
         room left), when regrouping is allowed for it (none of it was regrouped before)."""
         if not self._popped or any(item.regrouped for item in self._popped):
             return 0
-        key = self._popped[0].req.batch_key
+        key, urgent = self._popped[0].req.batch_key, self._popped[0].req.urgent
         room = self.room()
         n = 0
         for item in self._queue:
+            if item.req.urgent != urgent:
+                continue
             if item.req.batch_key == key and n + item.req.num_outputs <= room:
                 n += item.req.num_outputs
         return n

@@ -95,7 +95,8 @@ class WorkerDiffusionClient(DiffusionEngineClient):
         if link.followers:
             threading.Thread(target=self._watch_group, args=(link,), name="diffusion-cp-watch",
                              daemon=True).start()
-        self._specs, self._memory = self._wait_ready(link, self.startup_timeout_s)
+        ready = self._wait_ready(link, self.startup_timeout_s)
+        self._specs, self._memory, self.num_threads = ready.specs, ready.memory, ready.num_threads
         self.integrity_error = None
         self._stream_stats = WorkerStreams(0, 0)  # a new worker holds no stream
         self._link = link
@@ -134,8 +135,7 @@ class WorkerDiffusionClient(DiffusionEngineClient):
             proc.join(5)
 
     @staticmethod
-    def _wait_ready(link: _WorkerLink, timeout_s: float
-                    ) -> tuple[list[ModelSpec], dict[str, Any] | None]:
+    def _wait_ready(link: _WorkerLink, timeout_s: float) -> WorkerReady:
         waited = 0.0
         while True:
             try:
@@ -151,7 +151,7 @@ class WorkerDiffusionClient(DiffusionEngineClient):
             link.proc.join(timeout=10)
             link.kill_group()
             raise RuntimeError(f"the diffusion worker could not load its models: {ready.error}")
-        return ready.specs, ready.memory
+        return ready
 
     # ---- DiffusionEngineClient ----
 
@@ -166,7 +166,8 @@ class WorkerDiffusionClient(DiffusionEngineClient):
 
     def runtime_report(self) -> dict[str, Any]:
         return {**self.supervisor.report(), "integrity_error": self.integrity_error,
-                "queue_depth": self.queue_depth(), **self.stream_stats()}
+                "queue_depth": self.queue_depth(), "num_threads": self.num_threads,
+                **self.stream_stats()}
 
     def stream_stats(self) -> dict[str, int]:
         stats = self._stream_stats

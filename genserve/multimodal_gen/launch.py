@@ -36,7 +36,7 @@ def worker_config_from_args(model_paths: list[str] | None, args: Any):
         loras=tuple(parse_lora_arg(v) for v in getattr(args, "lora", None) or ()),
         max_batch_size=int(getattr(args, "diffusion_max_batch_size", None) or 4),
         batch_delay_ms=float(getattr(args, "diffusion_batch_delay_ms", None) or 10.0),
-        num_threads=envs.GENSERVE_NUM_THREADS.get(),
+        num_threads=getattr(args, "diffusion_num_threads", None) or envs.GENSERVE_NUM_THREADS.get(),
         cp_size=1 if getattr(args, "diffusion_cp", None) is None else int(args.diffusion_cp),
     )
 

@@ -112,6 +112,9 @@ class DiffusionRequest:
     # `stream_id` (streams.py); `stream_reset` starts it anew (its first chunk, or a new scene).
     stream_id: str | None = None
     stream_reset: bool = False
+    # A frame deadline (time.time() by which its next frame is due): realtime and streaming
+    # chunks carry one; the worker runs them first, pausing batch work at a step boundary.
+    deadline: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
@@ -314,6 +317,7 @@ class WorkerReady:
     # What the server's memory plan needs (multimodal_gen/memory_report.py): the device, and
     # each model's resident weights and peak.
     memory: dict[str, Any] | None = None
+    num_threads: int = 0  # the worker's torch threads, as it runs (thread_split.py)
 
 
 @dataclass(frozen=True)
@@ -350,6 +354,12 @@ class ResolvedRequest:
     loras: tuple[tuple[str, float], ...] = ()  # (adapter, scale), sorted by name
     stream_id: str | None = None  # see DiffusionRequest
     stream_reset: bool = False
+    deadline: float | None = None  # see DiffusionRequest
+
+    @property
+    def urgent(self) -> bool:
+        """It has a frame deadline: it runs ahead of batch work (batcher.py)."""
+        return self.deadline is not None
 
     @property
     def num_outputs(self) -> int:

@@ -234,6 +234,7 @@ def resolve_request(
         loras=_check_loras(req, spec),
         stream_id=req.stream_id,
         stream_reset=req.stream_reset,
+        deadline=req.deadline,
     )
 
 

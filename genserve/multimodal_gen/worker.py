@@ -106,6 +106,7 @@ class _Worker:
     group: Any = None  # context_parallel.GroupLeader with --diffusion-cp > 1
     streams: StreamStore = field(default_factory=StreamStore)  # streaming sessions' state
     _streams_reported: tuple[int, int] = (0, 0)
+    preempted: int = 0  # urgent batches run inside a paused batch's call (`serve_urgent`)
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, WorkerSubmit):
@@ -203,9 +204,10 @@ class _Worker:
         finally:
             if states is not None:
                 self.streams.release(batch)
-                for sid in self._ending:
+                done = self._ending - self.streams_running()  # a paused stream ends later
+                for sid in done:
                     self.streams.end(sid)
-                self._ending.clear()
+                self._ending -= done
                 self.report_streams()
 
     def _admit_streams(self, batch: list[ResolvedRequest]) -> list[ResolvedRequest]:
@@ -221,16 +223,44 @@ class _Worker:
         return admitted
 
     def _run(self, model: Any, batch: list[ResolvedRequest], states: list | None) -> None:
-        self.running = {r.rid: r for r in batch}
-        self.cancelled = set()
+        # `running` and `cancelled` also hold a paused batch's requests while urgent work runs
+        # inside its call (`serve_urgent`): each call adds and removes only its own.
+        rids = {r.rid for r in batch}
+        self.running.update({r.rid: r for r in batch})
+        self.cancelled -= rids
+        try:
+            self._run_call(model, batch, states)
+        finally:
+            for rid in rids:
+                self.running.pop(rid, None)
+            self.cancelled -= rids
+
+    def serve_urgent(self, busy_model: str) -> int:
+        """Run every queued urgent request (frame deadlines) of a model other than `busy_model`
+        now, while the calling batch waits at its step boundary; the number of batches run.
+        The paused call keeps its latents and generators, so its outputs do not change."""
+        batches = 0
+        while not self.stopping:
+            urgent = self.batcher.pop_urgent(exclude_model=busy_model)
+            if not urgent:
+                return batches
+            self.run_batch(urgent)
+            batches += 1
+            self.drain(timeout=0)
+        return batches
+
+    def _run_call(self, model: Any, batch: list[ResolvedRequest], states: list | None) -> None:
         t_start = time.time()
 
         def on_step(step: int, total: int, tensors: dict) -> StepDecision:
             self.drain(timeout=0)  # pick up cancels (and new submits) between steps
+            if not batch[0].urgent and self.group is None:  # a group's ranks run one call
+                self.preempted += self.serve_urgent(batch[0].model)
             live = [r for r in batch if r.rid not in self.cancelled]
             if not live:
                 return StepDecision.CANCEL  # every request of the batch was cancelled
-            if step < total and step <= max(1, int(total * REGROUP_MAX_FRACTION)):
+            if (step < total and step <= max(1, int(total * REGROUP_MAX_FRACTION))
+                    and not batch[0].urgent):
                 joining = self.batcher.joinable()
                 # Requests that can join arrived early in the run: restart it with them (see
                 # batcher.py). Before the first step (step 0) only a batch that would fill up
@@ -257,8 +287,6 @@ class _Worker:
         out = self._call(model, batch, on_step, states)
         if out is not None:
             self._settle(batch, out, t_start)
-        self.running = {}
-        self.cancelled = set()
 
     def _call(self, model: Any, batch: list[ResolvedRequest], on_step: Any,
               states: list | None = None) -> Any:
@@ -372,7 +400,10 @@ def worker_main(config: WorkerConfig, inbox: Any, outbox: Any,
     except Exception as exc:
         outbox.put(WorkerReady(specs=[], error=f"{type(exc).__name__}: {exc}"))
         return
-    outbox.put(WorkerReady(specs=[m.spec for m in worker.models.values()], memory=memory))
+    import torch
+
+    outbox.put(WorkerReady(specs=[m.spec for m in worker.models.values()], memory=memory,
+                           num_threads=torch.get_num_threads()))
     worker.loop()
     if worker.group is not None:
         worker.group.close()  # the other ranks leave when their pipe closes

@@ -72,6 +72,7 @@ class Runtime:
             "num_layers": cfg.num_hidden_layers,
             "tp_size": self.args.tp_size,
             "max_total_tokens": self.runner.max_total_tokens,
+            "num_threads": torch.get_num_threads(),  # this process's, as it runs
             "eos_token_ids": list(cfg.eos_token_ids),
             "generation_defaults": dict(cfg.generation_defaults),
             "has_tokenizer": self.tokenizer is not None,

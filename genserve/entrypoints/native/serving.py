@@ -265,7 +265,7 @@ class NativeServing:
             "max_queued_requests": state.config.max_queued_requests,
         }
         info.update(await client.server_info())
-        for key in ("model_path", "tokenizer_path", "architecture", "tp_size"):
+        for key in ("model_path", "tokenizer_path", "architecture", "tp_size", "num_threads"):
             if key in client.model_info():
                 info.setdefault(key, client.model_info()[key])
         _add_router_fields(info, client.model_name)
@@ -274,6 +274,8 @@ class NativeServing:
             info["diffusion"] = state.diffusion_client.runtime_report()
         if state.memory_plan is not None:
             info["memory_plan"] = state.memory_plan
+        if state.thread_split is not None:
+            info["thread_split"] = state.thread_split
         info["time"] = time.time()
         return info
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from genserve.entrypoints.realtime.frames import FrameFormat
@@ -73,6 +74,8 @@ class SessionSettings:
             strength=self.strength,
             stream_id=stream_id,
             stream_reset=reset,
+            # Its first frame is due one frame interval from now: it runs ahead of batch work.
+            deadline=time.time() + 1.0 / self.fps,
         )
 
     def describe(self) -> dict[str, object]:
