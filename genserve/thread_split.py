@@ -9,8 +9,10 @@ makes this worse). The rule here gives every runtime its own cores instead:
 1. Only one kind of runtime (LLMs or diffusion) runs: it gets every core.
 2. Both kinds run: the diffusion worker gets half the cores (rounded down, at least one) and the
    LLMs share the rest.
-3. The LLMs' share is divided evenly between the served LLMs (at least one thread each): the
-   default server's text and vision-language models each get their part.
+3. Every LLM process gets the LLMs' whole share, not a part of it: the served LLMs seldom
+   decode at full load together (the default server's vision-language model answers questions
+   about images beside the text model), and dividing the share would halve a lone chat's
+   speed for a model that sits idle.
 4. `--num-threads` (every LLM process) and `--diffusion-num-threads` (the diffusion worker; the
    `GENSERVE_NUM_THREADS` variable when the flag is not given) override the rule; an overridden
    side leaves the other side the rule's figure.
@@ -64,7 +66,7 @@ def split_threads(
         diffusion_threads, llm_total, rule = 0, cores, "llm only"
     else:
         diffusion_threads, llm_total, rule = (cores if diffusion else 0), 0, "diffusion only"
-    llm_threads = max(1, llm_total // llm_processes) if llm_processes else 0
+    llm_threads = llm_total if llm_processes else 0
     if llm_override is not None and llm_processes:
         llm_threads, rule = llm_override, "override"
     if diffusion_override is not None and diffusion:

@@ -14,25 +14,25 @@ from genserve.thread_split import split_threads
     "cores, llms, diffusion, llm, diff, rule",
     [
         (2, 2, True, 1, 1, "split"),  # the default server: SmolLM2 + shapes-vl + diffusion
-        (16, 2, True, 4, 8, "split"),
+        (16, 2, True, 8, 8, "split"),
         (16, 1, True, 8, 8, "split"),
         (7, 1, True, 4, 3, "split"),
         (1, 2, True, 1, 1, "split"),  # never below one thread
         (8, 1, False, 8, 0, "llm only"),
-        (8, 2, False, 4, 0, "llm only"),
+        (8, 2, False, 8, 0, "llm only"),  # each LLM the whole share
         (8, 0, True, 0, 8, "diffusion only"),
     ],
 )
 def test_the_rule(cores, llms, diffusion, llm, diff, rule):
     split = split_threads(cores, llms, diffusion)
     assert (split.llm_threads, split.diffusion_threads, split.rule) == (llm, diff, rule)
-    if llms and diffusion and cores >= llms + 1:  # enough cores: no runtime shares one
-        assert split.llm_threads * llms + split.diffusion_threads <= cores
+    if llms and diffusion and cores >= 2:  # enough cores: the two kinds share none
+        assert split.llm_threads + split.diffusion_threads <= cores
 
 
 def test_flags_override_one_side_and_bad_values_are_refused():
     split = split_threads(16, 2, True, diffusion_override=2)
-    assert (split.llm_threads, split.diffusion_threads, split.rule) == (4, 2, "override")
+    assert (split.llm_threads, split.diffusion_threads, split.rule) == (8, 2, "override")
     split = split_threads(16, 2, True, llm_override=3)
     assert (split.llm_threads, split.diffusion_threads) == (3, 8)
     assert split_threads(16, 0, True, llm_override=3).llm_threads == 0  # no LLM runs
@@ -50,10 +50,10 @@ def test_serve_hands_the_split_to_each_runtime(monkeypatch):
     monkeypatch.delenv("GENSERVE_NUM_THREADS", raising=False)
     args = build_parser().parse_args(["serve", "--model-path", "a", "--model-path", "b"])
     split = plan_threads(args, True, True, cores=12)
-    assert (split.llm_threads, split.diffusion_threads) == (3, 6)
-    assert args.num_threads == 3 and args.diffusion_num_threads == 6
+    assert (split.llm_threads, split.diffusion_threads) == (6, 6)
+    assert args.num_threads == 6 and args.diffusion_num_threads == 6
     assert worker_config_from_args(["shapes-image"], args).num_threads == 6
-    assert engine_args_from(args, "a").num_threads == 3
+    assert engine_args_from(args, "a").num_threads == 6
     args = build_parser().parse_args(["serve", "--diffusion-num-threads", "2"])
     assert plan_threads(args, True, True, cores=12).diffusion_threads == 2
     # Several diffusion workers keep their own division of the cores.
