@@ -44,6 +44,7 @@ def _decode_batch(hq=6, hkv=2, d=16, layout=None):
     runner.device = torch.device("cpu")
     runner.req_to_token_pool, runner.token_to_kv_pool = r2t, pool
     runner.lora = None  # no adapters served
+    runner.on_hidden = None  # no EAGLE head reads the hidden states
     backend = TorchAttnBackend()
     runner.attn_backend = backend
     rows = list(range(len(seq_lens)))
