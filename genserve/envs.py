@@ -96,3 +96,9 @@ GENSERVE_SPEC_COMPILED_VERIFY = _Bool(
     "step as decode rows (genserve/srt/speculative/verify_rows.py); off by default because "
     "each new row count compiles on first use.",
 )
+GENSERVE_PROCESS_START = _Str(
+    "GENSERVE_PROCESS_START",
+    "auto",
+    "How runtime processes start (genserve/process_start.py): auto (a fork server that imports "
+    "torch once, where the platform has one), forkserver, or spawn (a fresh interpreter each).",
+)

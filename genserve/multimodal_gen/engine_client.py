@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
 import queue
 import threading
 from collections.abc import AsyncIterator
@@ -39,6 +38,7 @@ from genserve.multimodal_gen.messages import (
 )
 from genserve.multimodal_gen.validation import resolve_request
 from genserve.multimodal_gen.worker import WorkerConfig, worker_main
+from genserve.process_start import preload_diffusion, process_context, run_in_process
 from genserve.supervision import ProcessSupervisor, RestartPolicy
 
 logger = logging.getLogger("genserve.diffusion")
@@ -84,14 +84,13 @@ class WorkerDiffusionClient(DiffusionEngineClient):
 
     def _spawn(self) -> int:
         """Start a worker, wait until its models are loaded, start its reader: the pid."""
-        ctx = mp.get_context("spawn")
+        preload_diffusion()
+        ctx = process_context()
         link = _WorkerLink(None, ctx.Queue(), ctx.Queue())
         args: tuple = (self.config, link.inbox, link.outbox)
         if self.config.cp_size > 1:
             args += self._spawn_followers(ctx, link)
-        link.proc = ctx.Process(target=worker_main, args=args,
-                                name="genserve-diffusion-worker", daemon=True)
-        link.proc.start()
+        link.proc = run_in_process(ctx, worker_main, args, name="genserve-diffusion-worker")
         if link.followers:
             threading.Thread(target=self._watch_group, args=(link,), name="diffusion-cp-watch",
                              daemon=True).start()
@@ -112,11 +111,10 @@ class WorkerDiffusionClient(DiffusionEngineClient):
         conns = []
         for rank in range(1, size):
             mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=follower_main,
-                               args=(self.config, ContextParallelRank(rank, size, init_method),
-                                     theirs, link.outbox),
-                               name=f"genserve-diffusion-cp{rank}", daemon=True)
-            proc.start()
+            proc = run_in_process(ctx, follower_main,
+                                  (self.config, ContextParallelRank(rank, size, init_method),
+                                   theirs, link.outbox),
+                                  name=f"genserve-diffusion-cp{rank}")
             theirs.close()  # the child holds its own copy: its death closes the pipe
             link.followers.append(proc)
             conns.append(mine)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing as mp
 import queue
 import threading
 from collections.abc import AsyncIterator
@@ -15,6 +14,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from genserve.process_start import process_context, run_in_process
 from genserve.srt.client import LLMEngineClient
 from genserve.srt.messages import (
     AbortReq,
@@ -125,15 +125,11 @@ class AsyncEngine(LLMEngineClient):
         plus the resolved `folder`). Raises RuntimeError when it cannot start."""
         from genserve.srt.scheduler.process import run_scheduler_process
 
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         conn, child_conn = ctx.Pipe()
-        proc = ctx.Process(
-            target=run_scheduler_process,
-            args=(args, child_conn, self._log_level, planner is not None),
-            name="genserve-scheduler",
-            daemon=True,
-        )
-        proc.start()
+        proc = run_in_process(ctx, run_scheduler_process,
+                              (args, child_conn, self._log_level, planner is not None),
+                              name="genserve-scheduler")
         child_conn.close()
         try:
             ready = self._wait_ready(proc, conn, planner)

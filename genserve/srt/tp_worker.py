@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from genserve.process_start import process_context, run_in_process
 from genserve.srt.distributed import TPGroup, create_store
 from genserve.srt.forward_batch import ForwardBatch, ForwardMode
 from genserve.srt.messages import ControlResp, ForwardInputs, StopWorker
@@ -58,7 +59,7 @@ class TPWorkers:
     ) -> None:
         size = args.tp_size
         store = create_store(size)
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         self._conns: list[Connection] = []
         self._procs: list = []
         self._stopping = False
@@ -71,9 +72,10 @@ class TPWorkers:
         try:
             for rank in range(1, size):
                 conn, child = ctx.Pipe()
-                proc = ctx.Process(
-                    target=run_tp_worker,
-                    args=(
+                proc = run_in_process(
+                    ctx,
+                    run_tp_worker,
+                    (
                         rank,
                         args,
                         store.port,
@@ -87,7 +89,6 @@ class TPWorkers:
                     name=f"genserve-tp{rank}",
                     daemon=True,
                 )
-                proc.start()
                 child.close()
                 self._conns.append(conn)
                 self._procs.append(proc)
