@@ -3,13 +3,13 @@ enforced and logs where it listens; its gateway process never loads torch; a kil
 scheduler, diffusion worker) fails its in-flight requests with 503 (a stream already under way
 ends with an error event and [DONE]), refuses new ones with 503 while it restarts, then serves
 again with intact pools; SIGTERM drains, exits 0 and leaves no child process behind. One server
-for all of it: each start costs tens of seconds on a 2-core CPU."""
+for all of it, the one test_security_real_server sweeps first (tests/entrypoints/conftest.py's
+`keyed_server`): each start costs tens of seconds on a 2-core CPU."""
 
 from __future__ import annotations
 
 import os
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -21,13 +21,14 @@ import httpx
 import psutil
 import pytest
 
+from tests.entrypoints.conftest import KEYED_API_KEY, KEYED_MODEL, KEYED_SHUTDOWN_TIMEOUT_S
 from tests.needs import smollm2_folder
-from tests.serve_process import serve_subprocess
 
-GGUF = smollm2_folder(module_level=True) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL = "SmolLM2-135M-Instruct"
-KEY = "k"
+smollm2_folder(module_level=True)
+MODEL = KEYED_MODEL
+KEY = KEYED_API_KEY
 AUTH = {"Authorization": f"Bearer {KEY}"}
+SHUTDOWN_TIMEOUT_S = KEYED_SHUTDOWN_TIMEOUT_S
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 180.0, what: str = "") -> None:
@@ -120,20 +121,18 @@ def kill_and_recover(url: str, name: str, doomed: list[Callable[[], Any]],
 
 
 @pytest.fixture(scope="module")
-def served():
-    """One server for every check: answers first, the kills next, then SIGTERM ends it (the
-    last test). Yields (its process, its URL, its log file)."""
-    # The embedded GGUF named, not the default LLMs (SmolLM2 and shapes-vl; that default is
-    # test_shapes_vl_server's): one scheduler to start, kill and stop. tiny-flux (random
-    # weights) takes long enough per step to be killed mid-request.
-    with tempfile.TemporaryFile("w+") as log, serve_subprocess(
-            "--model-path", str(GGUF), "--served-model-name", MODEL, "--api-key", KEY,
-            "--diffusion-model-path", "tiny-flux",
-            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), log=log) as (proc, url):
-        yield proc, url, log
+def served(keyed_server):
+    """The session's keyed server (tests/entrypoints/conftest.py: the embedded GGUF served as
+    MODEL, shapes-vl, tiny-flux), which test_security_real_server's sweep shares: (its
+    process, its URL, its log file). Answers first, the kills next, then SIGTERM ends it (the
+    last test). tiny-flux (random weights) takes long enough per step to be killed
+    mid-request."""
+    return keyed_server.running()
 
 
-SHUTDOWN_TIMEOUT_S = 6
+def llm_runtime(url: str) -> str:
+    """The runtime name of the GGUF's scheduler (first LLM; shapes-vl serves beside it)."""
+    return next(n for n in runtimes(url) if n not in ("diffusion", "shapes-vl"))
 
 
 def test_serve_answers_with_its_key_and_logs_where_it_listens(served):
@@ -154,9 +153,8 @@ def test_serve_answers_with_its_key_and_logs_where_it_listens(served):
 def test_gateway_without_torch_survives_killed_workers(served):
     proc, url, _ = served
     assert torch_libraries(proc.pid) == []
-    names = list(runtimes(url))
-    llm = next(n for n in names if n != "diffusion")
-    assert "diffusion" in names
+    llm = llm_runtime(url)
+    assert "diffusion" in runtimes(url)
     assert torch_libraries(runtimes(url)[llm]["pid"])  # the check can see torch
 
     stream = LongStream(url)
@@ -190,7 +188,7 @@ def test_sigterm_drains_then_exits_0(served):
     timeout, the long one is cut at the deadline (its connection closes without a result);
     the gateway exits 0 and has stopped its scheduler and every other child process."""
     proc, url, _ = served
-    llm = next(n for n in runtimes(url) if n != "diffusion")
+    llm = llm_runtime(url)
     scheduler_pid = runtimes(url)[llm]["pid"]
     children = psutil.Process(proc.pid).children(recursive=True)
     assert scheduler_pid in {c.pid for c in children}
