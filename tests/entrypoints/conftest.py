@@ -106,11 +106,13 @@ def smol_api_server() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def default_models_server() -> Iterator[str]:
-    """`genserve serve --max-total-tokens 4096` with no model argument (SmolLM2 and shapes-vl),
-    started once for the modules that ask shapes-vl by name; yields its URL."""
+    """`genserve serve --max-total-tokens 4096 --speculative-algorithm ngram` with no model
+    argument (SmolLM2 and shapes-vl), started once for the modules that ask shapes-vl by name
+    and for test_speculative_server's n-gram checks on SmolLM2 (shapes-vl, a default vision
+    model, decodes plainly under the flag); yields its URL."""
     from tests.serve_process import serve_process
 
-    with serve_process("--max-total-tokens", "4096") as url:
+    with serve_process("--max-total-tokens", "4096", "--speculative-algorithm", "ngram") as url:
         yield url
 
 

@@ -21,10 +21,11 @@ CODE = ("def average(values):\n    total = 0\n    for v in values:\n        tota
 
 
 @pytest.fixture(scope="module")
-def url():
-    # No model named: the default vision model serves beside SmolLM2, decoding plainly.
-    with serve_process("--speculative-algorithm", "ngram", "--max-total-tokens", "4096") as u:
-        yield u
+def url(default_models_server):
+    # The session's default server (tests/entrypoints/conftest.py): `--speculative-algorithm
+    # ngram` and no model named, so the default vision model serves beside SmolLM2, decoding
+    # plainly.
+    return default_models_server
 
 
 def test_speculation_keeps_greedy_answers_and_accepts_drafts(url):
