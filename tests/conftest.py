@@ -14,7 +14,7 @@ from genserve import envs  # noqa: E402
 # the same pytest-xdist worker (see `pytest_collection_modifyitems`), so each starts once.
 SHARED_RUNTIMES = ("shared_real_server", "smol_engine", "server_url", "engine_backend",
                    "diffusion_client", "smol_api_server", "shapes_demo_server",
-                   "default_models_server", "smol_reference")
+                   "default_models_server", "smol_reference", "keyed_server")
 
 
 def _test_threads() -> int:

@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import IO
 
 import httpx
 
@@ -43,12 +44,12 @@ def serve_process(*flags: str, start_timeout: float = 300.0,
 
 @contextlib.contextmanager
 def serve_subprocess(*flags: str, start_timeout: float = 300.0, pinned: bool = True,
-                     env: dict[str, str] | None = None
+                     env: dict[str, str] | None = None, log: IO[str] | None = None
                      ) -> Iterator[tuple[subprocess.Popen, str]]:
     """`genserve serve --dtype float32 --quantization none --no-compile <flags>` on a free
     loopback port: yields (the process, its URL) once /health answers 200; stops it (SIGTERM,
     then kill) afterwards unless the test already did. Its log goes to a file (a pipe nobody
-    reads would block it when full).
+    reads would block it when full): `log`, for a test that reads it, else a temporary one.
 
     The pins make every test server run the same model the same way (float32 weights, no
     quantization, eager: no minute-long compile), so content assertions do not depend on what
@@ -60,7 +61,8 @@ def serve_subprocess(*flags: str, start_timeout: float = 300.0, pinned: bool = T
         pins += [] if _has(flags, "--quantization") else ["--quantization", "none"]
         pins += [] if _has(flags, "--compile") else ["--no-compile"]
     port = free_port()
-    log = tempfile.TemporaryFile("w+")
+    own_log = log is None
+    log = tempfile.TemporaryFile("w+") if log is None else log
     proc = subprocess.Popen(
         [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--port", str(port),
          *pins, *flags],
@@ -81,7 +83,8 @@ def serve_subprocess(*flags: str, start_timeout: float = 300.0, pinned: bool = T
         yield proc, url
     finally:
         stop_process(proc, 60)
-        log.close()
+        if own_log:
+            log.close()
 
 
 def _has(flags: tuple[str, ...], name: str) -> bool:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import pytest
 import uvicorn
@@ -103,9 +106,66 @@ def smol_api_server() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def default_models_server() -> Iterator[str]:
-    """`genserve serve --max-total-tokens 4096` with no model argument (SmolLM2 and shapes-vl),
-    started once for the modules that ask shapes-vl by name; yields its URL."""
+    """`genserve serve --max-total-tokens 4096 --speculative-algorithm ngram` with no model
+    argument (SmolLM2 and shapes-vl), started once for the modules that ask shapes-vl by name
+    and for test_speculative_server's n-gram checks on SmolLM2 (shapes-vl, a default vision
+    model, decodes plainly under the flag); yields its URL."""
     from tests.serve_process import serve_process
 
-    with serve_process("--max-total-tokens", "4096") as url:
+    with serve_process("--max-total-tokens", "4096", "--speculative-algorithm", "ngram") as url:
         yield url
+
+
+KEYED_API_KEY = "s3cret-key"
+KEYED_CORS_ORIGIN = "https://ui.example.com"
+KEYED_SHUTDOWN_TIMEOUT_S = 6
+KEYED_MODEL = "SmolLM2-135M-Instruct"
+
+
+class ServerHolder:
+    """A `genserve serve` subprocess (`serve_subprocess`), started on first use and again once
+    a test has stopped it: `running()` gives (its process, its URL, its log file)."""
+
+    def __init__(self, *flags: str) -> None:
+        self.flags = flags
+        self._stack: contextlib.ExitStack | None = None
+        self._running: tuple[subprocess.Popen, str, IO[str]] | None = None
+
+    def running(self) -> tuple[subprocess.Popen, str, IO[str]]:
+        if self._running is None or self._running[0].poll() is not None:
+            from tests.serve_process import serve_subprocess
+
+            self.close()
+            with contextlib.ExitStack() as stack:
+                log = stack.enter_context(tempfile.TemporaryFile("w+"))
+                proc, url = stack.enter_context(serve_subprocess(*self.flags, log=log))
+                self._stack, self._running = stack.pop_all(), (proc, url, log)
+        return self._running
+
+    def close(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+        self._stack = self._running = None
+
+
+@pytest.fixture(scope="session")
+def keyed_server() -> Iterator[ServerHolder]:
+    """`genserve serve --api-key KEYED_API_KEY` on the embedded SmolLM2 GGUF (also named
+    KEYED_MODEL), shapes-vl (it takes image URLs) and tiny-flux, with `--cors-origin
+    KEYED_CORS_ORIGIN`, loopback names allowed as image domains and a KEYED_SHUTDOWN_TIMEOUT_S
+    drain. The security sweep (test_security_real_server) and the faults
+    (test_serve_faults: kills, restarts, and SIGTERM at its end) share its start; a module
+    asking for it after the SIGTERM gets a new one."""
+    from tests.needs import smollm2_folder
+
+    gguf = smollm2_folder() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    holder = ServerHolder(
+        "--model-path", str(gguf), "--served-model-name", KEYED_MODEL,
+        "--model-path", "shapes-vl", "--diffusion-model-path", "tiny-flux",
+        "--api-key", KEYED_API_KEY, "--cors-origin", KEYED_CORS_ORIGIN,
+        "--allowed-image-domains", "localhost,127.0.0.1,localtest.me",
+        "--shutdown-timeout", str(KEYED_SHUTDOWN_TIMEOUT_S))
+    try:
+        yield holder
+    finally:
+        holder.close()

@@ -102,7 +102,7 @@ def test_tool_use_round_trip(client, model):
     assert streamed.stop_reason == "tool_use"
     assert [b.input for b in streamed.content if b.type == "tool_use"] == [use.input]
     follow = client.messages.create(
-        model=model, max_tokens=30, tools=[WEATHER], **GREEDY,
+        model=model, max_tokens=8, tools=[WEATHER], **GREEDY,
         messages=[*ask, {"role": "assistant", "content": msg.content},
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                 "content": "Sunny, 24 degrees"}]}])

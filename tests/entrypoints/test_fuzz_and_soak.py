@@ -1,20 +1,21 @@
 """Small-budget runs of the fuzz and soak benchmarks (benchmarks/fuzz_api.py, soak.py) against
-one real `genserve serve`: no 5xx and no hang for schema-generated requests to every operation,
-and mixed traffic with dropped clients loses no request and leaves the pools intact."""
+the session's demo-model `genserve serve` (an LLM, an image and a video model: every kind of
+traffic): no 5xx and no hang for schema-generated requests to every operation, and mixed
+traffic with dropped clients loses no request and leaves the pools intact."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
-from genserve.bench.server_process import ROBUSTNESS_FLAGS, serve, server_problems
-from tests.needs import smollm2_folder
+from genserve.bench.server_process import rss_mib, server_problems
 
-smollm2_folder(module_level=True)
 _BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -26,10 +27,23 @@ def _load(name: str):
     return module
 
 
+@dataclass
+class RunningServer:
+    """What the soak reads of a server (`genserve.bench.server_process.ServerProcess`'s
+    `url` and `rss_mib`), for a server this module did not start."""
+
+    url: str
+
+    def rss_mib(self) -> dict[str, float]:
+        runtimes = httpx.get(self.url + "/health", timeout=30).json()["runtimes"]
+        return {name: rss_mib(r["pid"]) for name, r in runtimes.items() if r.get("pid")}
+
+
 @pytest.fixture(scope="module")
-def server():
-    with serve(*ROBUSTNESS_FLAGS) as server:
-        yield server
+def server(shapes_demo_server):
+    # The session's shapes-vl, shapes-image and shapes-video server (tests/conftest.py), not
+    # one of its own: shapes-vl's 512-token context bounds every fuzzed generation.
+    return RunningServer(shapes_demo_server)
 
 
 def test_fuzzed_requests_get_no_5xx_and_no_hang(server):

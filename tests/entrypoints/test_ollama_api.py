@@ -115,13 +115,16 @@ def test_tool_round_trip(client, model):
         return "Sunny"
 
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    plain = client.chat(model=model, messages=ask, options=GREEDY)
-    first = client.chat(model=model, messages=ask, tools=[get_weather], options=GREEDY)
+    # Only the prompts' lengths are compared: one new token each; a few for the answer.
+    one = {"temperature": 0, "num_predict": 1}
+    plain = client.chat(model=model, messages=ask, options=one)
+    first = client.chat(model=model, messages=ask, tools=[get_weather], options=one)
     assert first.prompt_eval_count > plain.prompt_eval_count + 20  # the tools were rendered
     call = {"role": "assistant", "content": "", "tool_calls": [
         {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
-    follow = client.chat(model=model, options=GREEDY, tools=[get_weather], messages=[
-        *ask, call, {"role": "tool", "content": "Sunny, 24 degrees", "tool_name": "get_weather"}])
+    result = {"role": "tool", "content": "Sunny, 24 degrees", "tool_name": "get_weather"}
+    follow = client.chat(model=model, messages=[*ask, call, result], tools=[get_weather],
+                         options={"temperature": 0, "num_predict": 8})
     assert follow.message.content
     assert follow.prompt_eval_count > first.prompt_eval_count + 10
 

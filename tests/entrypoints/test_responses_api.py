@@ -119,7 +119,7 @@ def test_function_tool_round_trip(client, model):
     assert streamed[0].arguments == done[0].arguments
     # The result goes back as a function_call_output item; the model answers in text.
     follow = client.responses.create(
-        model=model, tools=[WEATHER], temperature=0, max_output_tokens=30,
+        model=model, tools=[WEATHER], temperature=0, max_output_tokens=8,
         input=[*ask, *resp.output, {"type": "function_call_output",
                                     "call_id": calls[0].call_id, "output": "Sunny, 24 degrees"}])
     assert follow.output[0].type == "message" and follow.output_text
@@ -140,13 +140,13 @@ def test_json_schema_output(client, model):
 
 def test_previous_response_id_continues_the_conversation(client, model):
     first = client.responses.create(model=model, input="My name is Ann.", temperature=0,
-                                    max_output_tokens=20)
+                                    max_output_tokens=8)
     second = client.responses.create(model=model, input="What is my name?", temperature=0,
-                                     max_output_tokens=20, previous_response_id=first.id)
+                                     max_output_tokens=8, previous_response_id=first.id)
     assert second.previous_response_id == first.id
     chat = _chat(client, model, [{"role": "user", "content": "My name is Ann."},
                                  {"role": "assistant", "content": first.output_text},
-                                 {"role": "user", "content": "What is my name?"}], 20)
+                                 {"role": "user", "content": "What is my name?"}], 8)
     assert second.usage.input_tokens == chat.usage.prompt_tokens
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert second.output_text == chat.choices[0].message.content

@@ -22,16 +22,16 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from genserve.entrypoints.config import GatewayConfig
+from tests.entrypoints.conftest import KEYED_API_KEY, KEYED_CORS_ORIGIN
 from tests.entrypoints.route_table import app_routes, concrete, full_app, takes_body
 from tests.needs import smollm2_folder
-from tests.serve_process import serve_subprocess
 from tests.srt.vlm_models import png_bytes
 
 pytestmark = pytest.mark.slow
 
-GGUF = smollm2_folder(module_level=True) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-KEY = "s3cret-key"
-ALLOWED_ORIGIN = "https://ui.example.com"
+smollm2_folder(module_level=True)
+KEY = KEYED_API_KEY
+ALLOWED_ORIGIN = KEYED_CORS_ORIGIN
 # The routes that answer without the key: probes and the web UI's page and static files (see
 # OPEN_PATHS in genserve/entrypoints/middleware.py and `genserve serve --help`). Widening the
 # product's allow-list, or adding a route under an open prefix, fails the sweep below.
@@ -78,15 +78,12 @@ def image_server() -> Iterator[CountingImageServer]:
 
 
 @pytest.fixture(scope="module")
-def server():
-    # shapes-vl (a tiny vision-language demo model) takes image URLs; localhost is allowed by
-    # name, so only the address check stands between a request and the local server.
-    with serve_subprocess("--model-path", str(GGUF), "--model-path", "shapes-vl",
-                          "--diffusion-model-path", "tiny-flux", "--max-total-tokens", "2048",
-                          "--api-key", KEY, "--cors-origin", ALLOWED_ORIGIN,
-                          "--allowed-image-domains", "localhost,127.0.0.1,localtest.me"
-                          ) as (_, url):
-        yield url
+def server(keyed_server):
+    # The session's keyed server (tests/entrypoints/conftest.py), shared with
+    # test_serve_faults. shapes-vl (a tiny vision-language demo model) takes image URLs;
+    # localhost is allowed by name, so only the address check stands between a request and
+    # the local server.
+    return keyed_server.running()[1]
 
 
 def test_the_route_table_is_the_one_served(server):

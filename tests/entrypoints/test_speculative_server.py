@@ -21,9 +21,11 @@ CODE = ("def average(values):\n    total = 0\n    for v in values:\n        tota
 
 
 @pytest.fixture(scope="module")
-def url():
-    with serve_process("--speculative-algorithm", "ngram", "--max-total-tokens", "4096") as u:
-        yield u
+def url(default_models_server):
+    # The session's default server (tests/entrypoints/conftest.py): `--speculative-algorithm
+    # ngram` and no model named, so the default vision model serves beside SmolLM2, decoding
+    # plainly.
+    return default_models_server
 
 
 def test_speculation_keeps_greedy_answers_and_accepts_drafts(url):
@@ -50,27 +52,48 @@ def test_speculation_keeps_greedy_answers_and_accepts_drafts(url):
     assert info["available_tokens"] + info["cache"]["total_tokens"] == info["max_total_tokens"]
 
 
-def test_a_vision_model_refuses_speculation_at_start():
-    """In this process: `genserve serve`'s engine arguments for a named vision model keep the
-    flag (only a default one drops it) and the engine refuses them at start; how `genserve
-    serve` reports an engine's start-up refusal is `test_a_missing_draft_model_...`'s."""
+def _engine_from_serve_flags(*flags: str):
+    """(the engine arguments `genserve serve <flags>` gives its first LLM, a function starting
+    that engine in this process): a start-up refusal is raised here without a server start.
+    How `genserve serve` reports an engine's start-up refusal (its message on stderr and a
+    non-zero exit) is test_serve_start_failure.py's
+    `test_a_later_llm_failing_to_start_exits_and_stops_the_earlier_one`."""
     import dataclasses
 
     from genserve import Engine
     from genserve.entrypoints.cli import build_parser
+    from genserve.entrypoints.serve import llm_engine_args, llm_paths
+
+    args = build_parser().parse_args(["serve", *flags])
+    engine_args = llm_engine_args(args, llm_paths(args)[0])
+    return engine_args, lambda: Engine(**dataclasses.asdict(engine_args))
+
+
+def test_a_vision_model_refuses_speculation_at_start():
+    """`genserve serve`'s engine arguments for a named vision model keep the flag (only a
+    default one drops it) and the engine refuses them at start."""
+    engine_args, start = _engine_from_serve_flags("--model-path", "shapes-vl",
+                                                  "--speculative-algorithm", "ngram")
+    assert engine_args.speculative_algorithm == "ngram"
+    # The default one decodes plainly beside the text model (the n-gram server above serves
+    # both; the draft and EAGLE servers name their one model).
+    from genserve.entrypoints.cli import build_parser
     from genserve.entrypoints.serve import llm_engine_args
 
-    args = build_parser().parse_args(["serve", "--model-path", "shapes-vl",
-                                      "--speculative-algorithm", "ngram"])
-    engine_args = llm_engine_args(args, "shapes-vl")
-    assert engine_args.speculative_algorithm == "ngram"
+    args = build_parser().parse_args(["serve", "--speculative-algorithm", "draft",
+                                      "--speculative-draft-model-path", MODEL])
+    assert llm_engine_args(args, None).speculative_algorithm == "draft"
+    plain = llm_engine_args(args, "shapes-vl")
+    assert plain.speculative_algorithm is None and plain.speculative_draft_model_path is None
     with pytest.raises(ValueError, match="speculative decoding is not supported"):
-        Engine(**dataclasses.asdict(engine_args))
+        start()
 
 
 def test_a_draft_model_server_keeps_greedy_answers():
-    with serve_process("--speculative-algorithm", "draft", "--speculative-draft-model-path",
-                       MODEL, "--speculative-num-steps", "3", "--max-total-tokens", "4096") as u:
+    # The one model named: not the default vision model beside it (the n-gram server's).
+    with serve_process("--model-path", MODEL, "--speculative-algorithm", "draft",
+                       "--speculative-draft-model-path", MODEL, "--speculative-num-steps", "3",
+                       "--max-total-tokens", "4096") as u:
         client = openai.OpenAI(base_url=f"{u}/v1", api_key="none")
         messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
         spec = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32,
@@ -84,10 +107,11 @@ def test_a_draft_model_server_keeps_greedy_answers():
 
 
 def test_a_missing_draft_model_is_refused_at_start():
-    with pytest.raises(RuntimeError, match="--speculative-draft-model-path '/no/such/draft'"):
-        with serve_process("--speculative-algorithm", "draft",
-                           "--speculative-draft-model-path", "/no/such/draft", start_timeout=120):
-            pass
+    engine_args, start = _engine_from_serve_flags(
+        "--speculative-algorithm", "draft", "--speculative-draft-model-path", "/no/such/draft")
+    assert engine_args.speculative_draft_model_path == "/no/such/draft"
+    with pytest.raises(ValueError, match="--speculative-draft-model-path '/no/such/draft'"):
+        start()
 
 
 def test_an_eagle_server_keeps_greedy_answers_and_stop_strings(tmp_path):
@@ -97,9 +121,9 @@ def test_an_eagle_server_keeps_greedy_answers_and_stop_strings(tmp_path):
     from tests.srt.test_speculative_eagle import write_eagle_head
 
     head = write_eagle_head(tmp_path / "eagle", Path(resolve_model_folder(None)[0]))
-    with serve_process("--speculative-algorithm", "eagle", "--speculative-draft-model-path",
-                       str(head), "--speculative-num-steps", "3",
-                       "--max-total-tokens", "4096") as u:
+    with serve_process("--model-path", MODEL, "--speculative-algorithm", "eagle",
+                       "--speculative-draft-model-path", str(head),
+                       "--speculative-num-steps", "3", "--max-total-tokens", "4096") as u:
         client = openai.OpenAI(base_url=f"{u}/v1", api_key="none")
         messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
         spec = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
