@@ -227,3 +227,25 @@ def test_overlap_with_decode_graphs_gives_the_plain_tokens(tiny):
 def test_what_cannot_overlap_is_refused_at_start(clash):
     with pytest.raises(ValueError, match="--enable-overlap-schedule is not supported with"):
         Engine(**OVERLAP, **clash)
+
+
+def test_the_flag_reaches_the_engine_and_keeps_auto_compile_off(tiny):
+    """`genserve serve --enable-overlap-schedule`; an int8wo model on a CPU, where compile's auto
+    default may turn on, decodes overlapped and uncompiled."""
+    from genserve.entrypoints.cli import build_parser
+    from genserve.entrypoints.serve import engine_args_from
+
+    parse = build_parser().parse_args
+    assert engine_args_from(parse(["serve"]), None).enable_overlap_schedule is False
+    flagged = engine_args_from(parse(["serve", "--enable-overlap-schedule"]), None)
+    assert flagged.enable_overlap_schedule is True
+    common = dict(dtype="float32", max_total_tokens=1024, quantization="int8wo")
+    plain = Engine(tiny, **common, compile=False)
+    both = Engine(tiny, **common, **OVERLAP)
+    assert not both.runtime.runner.compiled
+    assert both.runtime.model_info()["overlap_schedule"] is True
+    prompts = [prompt(5, 9), prompt(6, 17)]
+    want = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=greedy(8))]
+    got = [o["output_ids"] for o in both.generate(input_ids=prompts, sampling_params=greedy(8))]
+    assert got == want and overlapped(both) > 0
+    both.check_integrity()
