@@ -93,9 +93,14 @@ def test_concurrent_requests_of_different_lengths_get_the_plain_tokens(engines):
 
 def test_abort_mid_decode_and_a_prefill_arriving_while_decode_runs(engines):
     plain, overlap = engines
-    reqs = [(f"a{i}", prompt(60 + i, 8 + 9 * i), SamplingParams(**greedy(40))) for i in range(4)]
+    # a1, a2 and late0 stream: each token comes out once, in order (run_script joins them).
+    reqs = [
+        (f"a{i}", prompt(60 + i, 8 + 9 * i), SamplingParams(**greedy(40)), ("stream", i in (1, 2)))
+        for i in range(4)
+    ]
     late = [
-        (f"late{i}", prompt(70 + i, 40 + 30 * i), SamplingParams(**greedy(12))) for i in range(2)
+        (f"late{i}", prompt(70 + i, 40 + 30 * i), SamplingParams(**greedy(12)), ("stream", i == 0))
+        for i in range(2)
     ]  # both prefill in chunks of 32 while the others decode
     want = {rid: ids for rid, (ids, _) in run_script(plain, reqs + late).items()}
     base = overlapped(overlap)
@@ -104,8 +109,8 @@ def test_abort_mid_decode_and_a_prefill_arriving_while_decode_runs(engines):
     def arrive(sched):
         assert sched.overlap.in_flight is not None  # the a's decode overlapped until now
         seen["before"] = overlapped(overlap) - base
-        for rid, ids, params in late:
-            sched.add_request(TokenizedGenerateReq(rid, ids, params))
+        for rid, ids, params, *extra in late:
+            sched.add_request(TokenizedGenerateReq(rid, ids, params, **dict(extra)))
 
     def abort(sched):
         assert sched.overlap.in_flight is not None  # a2's next token is in flight
@@ -178,6 +183,20 @@ def test_requests_that_need_host_tokens_take_the_plain_path(engines):
     before = overlapped(overlap)
     assert run_script(overlap, reqs) == want
     assert overlapped(overlap) > before
+
+
+def test_seeded_sampling_gives_the_plain_tokens(engines):
+    """Sampling runs in the worker thread with each request's own generator: a seeded request's
+    tokens are the plain scheduler's, alone or beside others."""
+    plain, overlap = engines
+    seeded = {"max_new_tokens": 12, "temperature": 0.9, "top_p": 0.9, "seed": 7, "ignore_eos": True}
+    prompts = [prompt(80, 15), prompt(81, 30)]
+    params = [seeded, greedy(20)]
+    want = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
+    before = overlapped(overlap)
+    got = [o["output_ids"] for o in overlap.generate(input_ids=prompts, sampling_params=params)]
+    assert got == want and overlapped(overlap) > before
+    overlap.check_integrity()
 
 
 def test_a_short_pool_retracts_and_nothing_leaks(tiny):
