@@ -25,7 +25,8 @@ What takes the plain path (`Scheduler.step`, after the step in flight is process
   constraints (masks, jump-forward), logprobs of any kind, repetition / frequency / presence
   penalties, min_new_tokens not reached yet; and every step of a vision-language model (its
   M-RoPE positions). Requests without these overlap again once it has left.
-Refused at start (`EngineArgs`): speculative decoding, tensor parallelism and `--compile`.
+Refused at start (`EngineArgs`): speculative decoding, tensor parallelism and `--compile` (whose
+auto default then stays off).
 """
 
 from __future__ import annotations

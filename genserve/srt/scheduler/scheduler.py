@@ -2,7 +2,9 @@
 
 Each `step()` runs one forward pass: a prefill (extend) batch when waiting requests can be
 admitted (prefill-first; the running requests decode their next token inside that same forward
-when the pool has room), otherwise one decode step of every running request.
+when the pool has room), otherwise one decode step of every running request. With
+`--enable-overlap-schedule` that decode step launches before the previous one's tokens are
+processed (overlap.py).
 """
 
 from __future__ import annotations
