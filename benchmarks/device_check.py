@@ -9,7 +9,8 @@ is a FAILED row with the error's last line, and the run goes on):
   attention    Triton decode and extend attention vs torch SDPA (benchmarks/bench_kernels.py)
   llm          a random-weight Llama-3-8B-shaped bf16 model on the shared-prefix workload
                through the offline engine (benchmarks/bench_offline.py), torch vs triton;
-               CUDA graphs on vs off at batch-1 decode (triton), with their greedy tokens
+               CUDA graphs on vs off, and the overlap schedule on vs off, at batch-1 decode
+               (triton), with their greedy tokens
   flux         a random-weight FLUX.1-shaped transformer: genserve's pipeline vs plain diffusers
   video        a random-weight Helios-shaped streaming video model: frames per second
   memory_plan  an 8B LLM + a FLUX-sized DiT on one card: the server's memory plan from the

@@ -350,4 +350,27 @@ def step_llm(ctx: Context) -> list[dict]:
                         f"on {on['decode_tok_per_s']:.1f} tok/s, off "
                         f"{off_run['decode_tok_per_s']:.1f} tok/s (target >= 1.5x); greedy "
                         f"tokens {'identical' if same else 'DIFFER'}"))
+    if "triton" in runs:
+        rows.append(_overlap_row(ctx, folder, off, runs["triton"]))
     return rows
+
+
+def _overlap_row(ctx: Context, folder: Path, off: dict, off_run: dict) -> dict:
+    """--enable-overlap-schedule on vs off at batch-1 decode (triton, graphs off), against the
+    triton run above; a runtime without the flag gets a 'not built yet' row."""
+    from genserve.srt.server_args import EngineArgs
+
+    label = "overlap schedule on vs off, batch-1 decode (triton)"
+    if "enable_overlap_schedule" not in {f.name for f in dataclasses.fields(EngineArgs)}:
+        return row(label, "not built yet", "EngineArgs has no enable_overlap_schedule")
+    try:
+        on = _engine_figures(ctx, folder, "triton", {**off, "enable_overlap_schedule": True},
+                             workload=False)
+    except Exception as exc:
+        return row(label, "FAILED", error_line(exc))
+    same = on["tokens"] == off_run["tokens"]
+    ratio = on["decode_tok_per_s"] / off_run["decode_tok_per_s"]
+    figure = ("worker thread (dry run)" if same else "FAILED") if ctx.dry_run else f"{ratio:.2f}x"
+    return row(label, figure, f"on {on['decode_tok_per_s']:.1f} tok/s, off "
+                              f"{off_run['decode_tok_per_s']:.1f} tok/s; greedy tokens "
+                              f"{'identical' if same else 'DIFFER'}")

@@ -41,6 +41,7 @@ def test_the_dry_run_runs_every_step_without_a_failure(tmp_path, device_check):
     assert set(table_steps(table)) == {s.name for s in device_check.STEPS}
     assert "| FAILED |" not in table
     assert "CUDA graphs on vs off" in table
+    assert "overlap schedule on vs off" in table
 
 
 def test_a_failed_step_is_a_row_with_the_errors_last_line(device_check):

@@ -51,6 +51,11 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="Largest decode batch with a graph (default: 32, at most "
                         "--max-running-requests); larger batches decode eagerly.")
+    g.add_argument("--enable-overlap-schedule", action="store_true", default=None,
+                   help="Launch each decode step before the previous one's tokens reach the "
+                        "host, whose work on them (stop checks, streaming, finishing) runs "
+                        "meanwhile. Off by default until the device check shows it wins "
+                        "(docs/benchmarks.md).")
     g.add_argument("--schedule-policy", default="fcfs", choices=llm_args.SCHEDULE_POLICIES)
     g.add_argument("--max-running-requests", type=int, default=64)
     g.add_argument("--max-queued-requests", type=int, default=None,

@@ -65,6 +65,7 @@ class Runtime:
             "checkpoint_quantization": self.runner.checkpoint_quantization,
             "compile": self.runner.compiled,
             "attention_backend": self.runner.attention_backend_name,
+            "overlap_schedule": self.args.enable_overlap_schedule,
             "cuda_graph_buckets": (self.runner.decode_graphs.buckets
                                    if self.runner.decode_graphs is not None else None),
             "context_length": self.runner.context_length,

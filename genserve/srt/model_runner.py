@@ -255,6 +255,8 @@ class ModelRunner(KVPoolSizing):
             return requested
         if self.args.lora_paths:
             return False  # the compiled step has no LoRA path
+        if self.args.enable_overlap_schedule:
+            return False  # not combined with overlapped decode steps yet
         if self.device.type != "cpu" or self.tp.size > 1:
             return False
         if self.quantization not in ("int8wo", "int4wo"):

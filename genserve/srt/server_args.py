@@ -93,6 +93,10 @@ class EngineArgs:
     enable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     cuda_graph_capture: str = "cuda"  # internal: "eager" on a CPU, for tests
+    # Overlap scheduling (`--enable-overlap-schedule`, genserve/srt/scheduler/overlap.py): each
+    # decode step is launched before the previous one's tokens reach the host, whose work on
+    # them runs meanwhile. Off until the device check shows it wins.
+    enable_overlap_schedule: bool = False
 
     def __post_init__(self) -> None:
         self._check_lora()
@@ -167,6 +171,7 @@ class EngineArgs:
         if self.tp_size > 1 and self.compile:
             raise ValueError("--compile is not supported with --tp > 1 yet; drop one of them")
         self._check_cuda_graph()
+        self._check_overlap_schedule()
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 
@@ -204,6 +209,19 @@ class EngineArgs:
             if clash:
                 raise ValueError(f"--enable-cuda-graph is not supported with {what} yet; "
                                  "drop one of them")
+
+    def _check_overlap_schedule(self) -> None:
+        if not self.enable_overlap_schedule:
+            return
+        for clash, what in (
+            (self.speculative_algorithm is not None, "speculative decoding"),
+            (self.tp_size > 1, "--tp > 1"),
+            (self.compile, "--compile"),
+        ):
+            if clash:
+                raise ValueError(
+                    f"--enable-overlap-schedule is not supported with {what} yet; drop one of them"
+                )
 
     def _check_draft_model(self) -> None:
         alg = self.speculative_algorithm

@@ -2,7 +2,9 @@
 
 Each `step()` runs one forward pass: a prefill (extend) batch when waiting requests can be
 admitted (prefill-first; the running requests decode their next token inside that same forward
-when the pool has room), otherwise one decode step of every running request.
+when the pool has room), otherwise one decode step of every running request. With
+`--enable-overlap-schedule` that decode step launches before the previous one's tokens are
+processed (overlap.py).
 """
 
 from __future__ import annotations
@@ -24,16 +26,10 @@ from genserve.srt.sampling import Sampler
 from genserve.srt.scheduler.admission import AdmissionLimits, admission_error
 from genserve.srt.scheduler.batch import ExtendBatch
 from genserve.srt.scheduler.grammar_queue import GrammarQueue
-from genserve.srt.scheduler.input_logprobs import (
-    plan_scored_rows,
-    score_prompt_rows,
-)
-from genserve.srt.scheduler.introspection import (
-    check_scheduler_integrity,
-    log_step,
-    scheduler_info,
-)
+from genserve.srt.scheduler.input_logprobs import plan_scored_rows, score_prompt_rows
+from genserve.srt.scheduler.introspection import check_scheduler_integrity, log_step, scheduler_info
 from genserve.srt.scheduler.kv_ownership import insert_prefix, release_req
+from genserve.srt.scheduler.overlap import create_overlap
 from genserve.srt.scheduler.policy import create_policy
 from genserve.srt.scheduler.pooling import pooled_vector
 from genserve.srt.scheduler.req import Req
@@ -108,6 +104,7 @@ class Scheduler:
             "spec_draft_tokens": 0,
             "spec_accepted_tokens": 0,
         }
+        self.overlap = create_overlap(self)  # None unless --enable-overlap-schedule
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -154,6 +151,8 @@ class Scheduler:
             if not (self.waiting or self.running or self.chunked) and self._num_compiling():
                 self.compiling.wait(0.01)  # type: ignore[union-attr]  # nothing else to run
                 return outputs
+        if self.overlap is not None and self.overlap.step(outputs):
+            return outputs  # a decode launched ahead of its result processing (overlap.py)
         t0 = time.perf_counter()
         n_running = len(self.running)
         batch = self._schedule_prefill()
