@@ -246,6 +246,9 @@ def _gguf_to_folder(gguf: Path, dtype: torch.dtype) -> Path:
     folder = _gguf_cache_dir() / f"{gguf.stem}-{dtype_name}-{_gguf_key(gguf)}"
     if (folder / "config.json").is_file():
         return folder
+    full = folder.with_name(f"{gguf.stem}-float32-{_gguf_key(gguf)}")
+    if dtype in (torch.bfloat16, torch.float16) and (full / "config.json").is_file():
+        return _cast_converted(full, folder, dtype)
     arch = check_gguf(gguf)
     logger.info(
         "converting %s to %s safetensors (first start only) into %s", gguf.name, dtype_name, folder
@@ -280,6 +283,32 @@ def _gguf_to_folder(gguf: Path, dtype: torch.dtype) -> Path:
         try:
             tmp.rename(folder)
         except OSError:  # another process converted it meanwhile
+            if not (folder / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _cast_converted(full: Path, folder: Path, dtype: torch.dtype) -> Path:
+    """A GGUF already dequantized into float32, rounded into `dtype`: the tensors a conversion
+    from the GGUF would write (it dequantizes in float32 and rounds the same way), without
+    parsing the GGUF again."""
+    logger.info("casting %s into %s", full.name, folder.name)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    try:
+        for src in full.iterdir():
+            if src.name != "model.safetensors":
+                shutil.copy2(src, tmp / src.name)
+        state = load_file(str(full / "model.safetensors"))
+        save_file({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()},
+                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        cfg = json.loads((tmp / "config.json").read_text())
+        cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process made it meanwhile
             if not (folder / "config.json").is_file():
                 raise
     finally:

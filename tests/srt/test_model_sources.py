@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from safetensors import safe_open
 
 from genserve.srt.model_config import ModelConfig
@@ -90,17 +91,30 @@ def test_gguf_whose_tensors_do_not_match_its_metadata_is_refused(tmp_path):
     assert check_gguf(_write_gguf(tmp_path / "c.gguf", "llama", 2, 2)) == "LlamaForCausalLM"
 
 
-def test_embedded_gguf_is_dequantized_into_the_serving_dtype(tmp_path, monkeypatch):
+def test_embedded_gguf_is_dequantized_into_the_serving_dtype(tmp_path, monkeypatch,
+                                                              smollm_folder, caplog):
+    """A bfloat16 serving of the embedded GGUF gets bfloat16 weights; with its float32
+    conversion already there (every float32 serving makes it), they are that one rounded, not
+    a second parse of the GGUF."""
     from genserve import envs
 
     monkeypatch.setenv(envs.GENSERVE_CACHE_DIR.name, str(tmp_path))
-    folder, _ = resolve_model_folder(None, dtype="bfloat16")
-    assert "bfloat16" in folder.name
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
-    assert dtypes == {"BF16"}
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / smollm_folder.name).symlink_to(smollm_folder)
+    with caplog.at_level("INFO", logger="genserve.srt.model_loader"):
+        folder, _ = resolve_model_folder(None, dtype="bfloat16")
+    assert "bfloat16" in folder.name and folder.parent == tmp_path / "gguf"
+    assert "casting" in caplog.text and "converting" not in caplog.text
+    with safe_open(str(folder / "model.safetensors"), "pt") as f, \
+            safe_open(str(smollm_folder / "model.safetensors"), "pt") as full:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+        assert set(f.keys()) == set(full.keys())
+        for name in list(f.keys())[:8]:
+            assert f.get_tensor(name).equal(full.get_tensor(name).to(torch.bfloat16)), name
     size = (folder / "model.safetensors").stat().st_size
     assert size < 300 * 2**20  # 135M parameters in 2 bytes each, not 4
+    assert json.loads((folder / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert (folder / "tokenizer.json").is_file()
     assert check_gguf(embedded_gguf_path()) == "LlamaForCausalLM"
 
 
