@@ -92,7 +92,7 @@ def test_gguf_whose_tensors_do_not_match_its_metadata_is_refused(tmp_path):
 
 
 def test_embedded_gguf_is_dequantized_into_the_serving_dtype(tmp_path, monkeypatch,
-                                                              smollm_folder, caplog):
+                                                              smollm_folder):
     """A bfloat16 serving of the embedded GGUF gets bfloat16 weights; with its float32
     conversion already there (every float32 serving makes it), they are that one rounded, not
     a second parse of the GGUF."""
@@ -101,10 +101,15 @@ def test_embedded_gguf_is_dequantized_into_the_serving_dtype(tmp_path, monkeypat
     monkeypatch.setenv(envs.GENSERVE_CACHE_DIR.name, str(tmp_path))
     (tmp_path / "gguf").mkdir()
     (tmp_path / "gguf" / smollm_folder.name).symlink_to(smollm_folder)
-    with caplog.at_level("INFO", logger="genserve.srt.model_loader"):
-        folder, _ = resolve_model_folder(None, dtype="bfloat16")
+    from genserve.srt import model_loader
+
+    def no_parse(path):
+        raise AssertionError(f"{path} was parsed again")
+
+    monkeypatch.setattr(model_loader, "check_gguf", no_parse)
+    folder, _ = resolve_model_folder(None, dtype="bfloat16")
+    monkeypatch.undo()
     assert "bfloat16" in folder.name and folder.parent == tmp_path / "gguf"
-    assert "casting" in caplog.text and "converting" not in caplog.text
     with safe_open(str(folder / "model.safetensors"), "pt") as f, \
             safe_open(str(smollm_folder / "model.safetensors"), "pt") as full:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
