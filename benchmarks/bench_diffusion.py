@@ -21,15 +21,17 @@
    and PSNR against the uncached output (median of --repeats pairs).
 
     python benchmarks/bench_diffusion.py --json-out out.json  # minutes on a GPU, more on a CPU
-    python benchmarks/bench_diffusion.py --smoke  # every part at a toy size: checks the script
+    python benchmarks/bench_diffusion.py --smoke  # every part at a toy size, one server: checks it
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,49 +41,19 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def start_server(max_batch_size: int, delay_ms: float, args, extra: tuple[str, ...] = ()):
+@contextlib.contextmanager
+def diffusion_server(args, extra: tuple[str, ...] = ()):
     """`genserve serve` (tiny-flux, no LLM) as its own process on 127.0.0.1, as it is deployed:
-    the benchmark's client threads do not share the gateway's interpreter (and its GIL)."""
-    import os
-    import subprocess
-    import tempfile
+    the benchmark's client threads do not share the gateway's interpreter (and its GIL).
+    Yields its URL."""
+    from genserve.bench.server_process import serve
 
-    import httpx
-
-    from genserve.bench.server_process import free_port
-    from genserve.supervision import stop_process
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--no-llm",
-           "--diffusion-model-path", "tiny-flux", "--dtype", args.dtype, "--device", args.device,
-           "--diffusion-max-batch-size", str(max_batch_size),
-           "--diffusion-batch-delay-ms", str(delay_ms), "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "warning", *extra]
-    env = dict(os.environ)
-    if args.threads:
-        env["GENSERVE_NUM_THREADS"] = str(args.threads)
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            cwd=Path(__file__).resolve().parents[1])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            log.seek(0)
-            raise RuntimeError(f"genserve serve did not start:\n{log.read().decode()[-3000:]}")
-        time.sleep(0.2)
-
-    def stop():
-        stop_process(proc, 30)
-        log.close()
-
-    return url, stop
+    flags = ["--no-llm", "--diffusion-model-path", "tiny-flux", "--dtype", args.dtype,
+             "--device", args.device, "--diffusion-max-batch-size", str(args.concurrency),
+             "--diffusion-batch-delay-ms", str(args.batch_delay_ms), "--log-level", "warning"]
+    env = {"GENSERVE_NUM_THREADS": str(args.threads)} if args.threads else None
+    with serve(*flags, *extra, env=env) as server:
+        yield server.url
 
 
 def http_generate(http, size: int, steps: int, seed: int, step_cache=False,
@@ -154,7 +126,7 @@ def seconds(call) -> float:
     return time.perf_counter() - t
 
 
-def bench_overhead(args) -> dict:
+def bench_overhead(args, url: str | None = None) -> dict:
     """Triples of one HTTP request, one direct call of genserve's pipeline and one of plain
     diffusers with the same seed, back to back and in rotating order, in --overhead-rounds
     rounds of fresh processes. The gate: HTTP against genserve's own pipeline.
@@ -163,16 +135,16 @@ def bench_overhead(args) -> dict:
     per-pair ratios cancels it, where the ratio of the two medians (also reported) mixes it in.
     And one process can run a few percent slower than an identical one for its whole life (two
     identical pipelines in one process differ by up to 2.5%): each round starts a new server,
-    worker and direct pipeline, so no one placement decides the result."""
+    worker and direct pipeline, so no one placement decides the result. `url`: a server
+    started already, for every round (the smoke run's)."""
     import httpx
 
     d, g, h, bodies, rounds = [], [], [], [], []
     max_diff = 0.0  # uint8 levels between the three sides' images, same seed
     for _ in range(args.overhead_rounds):
-        url, stop = start_server(args.concurrency, args.batch_delay_ms, args)
-        try:
+        with contextlib.nullcontext(url) if url else diffusion_server(args) as base:
             direct, family = direct_pipeline(args), direct_family(args)
-            with httpx.Client(base_url=url, timeout=600) as http:
+            with httpx.Client(base_url=base, timeout=600) as http:
                 images = [_pixels(direct(args.size, args.steps, 0)),  # warm-up, and the check
                           _pixels(family(args.size, args.steps, 0)),
                           _pixels(http_generate(http, args.size, args.steps, 0))]
@@ -190,8 +162,6 @@ def bench_overhead(args) -> dict:
                         times.append(seconds(call))
                 rounds.append(statistics.median(
                     x / y for x, y in zip(h[first:], g[first:], strict=True)))
-        finally:
-            stop()
     ratio = statistics.median(x / y for x, y in zip(h, g, strict=True))
     # Where an HTTP request's time goes, by the worker's own clock (ms, medians): what is left
     # of http_s after the worker's total is the gateway, the IPC and the encoding.
@@ -355,17 +325,12 @@ def make_lora(path: Path) -> str:
     return str(path)
 
 
-def bench_lora_batching(args) -> dict:
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        lora = make_lora(Path(tmp) / "ink")
-        url, stop = start_server(args.concurrency, args.batch_delay_ms, args,
-                                 ("--lora", f"ink={lora}"))
-        try:
-            return bench_batching(args, url, lora={"ink": 1.0})
-        finally:
-            stop()
+def bench_lora_batching(args, lora: str, url: str | None = None) -> dict:
+    """Target 2 with every request naming the adapter file `lora` (loaded as "ink") on a
+    server of its own, or on `url` (a server started already with it: the smoke run's)."""
+    with contextlib.nullcontext(url) if url else diffusion_server(
+            args, ("--lora", f"ink={lora}")) as base:
+        return bench_batching(args, base, lora={"ink": 1.0})
 
 
 FAMILY_CACHE_MODELS = ("tiny-qwen-image", "tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v")
@@ -430,6 +395,30 @@ def bench_family_step_cache(args) -> dict:
     return results
 
 
+def run_parts(args, results: dict, lora: str | None, shared: str | None) -> None:
+    """The parts --only names (all by default), each result in `results` and printed."""
+    if args.only in (None, "overhead"):
+        results["overhead"] = bench_overhead(args, shared)
+        print("1. serving overhead:", json.dumps(results["overhead"]), flush=True)
+    if args.only in (None, "batching"):
+        with contextlib.nullcontext(shared) if shared else diffusion_server(args) as url:
+            results["batching"] = bench_batching(args, url)
+        print("2. dynamic batching:", json.dumps(results["batching"]), flush=True)
+    if args.only in (None, "step_cache"):
+        results["step_cache"] = bench_step_cache(args)
+        print("3. step cache:", json.dumps(results["step_cache"]), flush=True)
+        results["step_cache_demo"] = bench_demo_step_cache(args)
+        print("3b. step cache on shapes-image:", json.dumps(results["step_cache_demo"]),
+              flush=True)
+    if lora is not None:
+        results["lora_batching"] = bench_lora_batching(args, lora, shared)
+        print("4. LoRA batching:", json.dumps(results["lora_batching"]), flush=True)
+    if args.only in (None, "families"):
+        results["family_step_cache"] = bench_family_step_cache(args)
+        print("5. step cache per family:", json.dumps(results["family_step_cache"]),
+              flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=int, default=256)
@@ -456,7 +445,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", choices=("overhead", "batching", "step_cache", "lora",
                                       "families"), default=None)
     p.add_argument("--json-out", default=None)
-    p.add_argument("--smoke", action="store_true", help="every part at a toy size, one round")
+    p.add_argument("--smoke", action="store_true", help="every part at a toy size, one round; "
+                   "parts 1, 2 and 4 share one server (with the LoRA adapter loaded)")
     args = p.parse_args(argv)
     if args.smoke:
         args.size = args.family_size = 32
@@ -467,29 +457,13 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(args.threads)
     results: dict = {"config": vars(args)}
-    if args.only in (None, "overhead"):
-        results["overhead"] = bench_overhead(args)
-        print("1. serving overhead:", json.dumps(results["overhead"]), flush=True)
-    if args.only in (None, "batching"):
-        url, stop = start_server(args.concurrency, args.batch_delay_ms, args)
-        try:
-            results["batching"] = bench_batching(args, url)
-            print("2. dynamic batching:", json.dumps(results["batching"]), flush=True)
-        finally:
-            stop()
-    if args.only in (None, "step_cache"):
-        results["step_cache"] = bench_step_cache(args)
-        print("3. step cache:", json.dumps(results["step_cache"]), flush=True)
-        results["step_cache_demo"] = bench_demo_step_cache(args)
-        print("3b. step cache on shapes-image:", json.dumps(results["step_cache_demo"]),
-              flush=True)
-    if args.only in (None, "lora"):
-        results["lora_batching"] = bench_lora_batching(args)
-        print("4. LoRA batching:", json.dumps(results["lora_batching"]), flush=True)
-    if args.only in (None, "families"):
-        results["family_step_cache"] = bench_family_step_cache(args)
-        print("5. step cache per family:", json.dumps(results["family_step_cache"]),
-              flush=True)
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as servers:
+        lora = make_lora(Path(tmp) / "ink") if args.only in (None, "lora") else None
+        # A smoke run's parts 1, 2 and 4 share one server, the adapter loaded (and off unless
+        # a request names it): at a toy size a server start costs more than the parts.
+        shared = servers.enter_context(diffusion_server(args, ("--lora", f"ink={lora}"))) if (
+            args.smoke and lora) else None
+        run_parts(args, results, lora, shared)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))
     return 0

@@ -185,21 +185,19 @@ def main() -> None:
                     default=["bf16", "fp8", "gptq"], help="checkpoints to measure")
     ap.add_argument("--measure", nargs=2, metavar=("FOLDER", "LOADER"), help=argparse.SUPPRESS)
     ap.add_argument("--write", metavar="FOLDER", help=argparse.SUPPRESS)
-    ap.add_argument("--write-quantized", nargs=2, metavar=("PLAIN", "FORMAT"),
-                    help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.write_quantized:
-        plain = Path(args.write_quantized[0])
-        write_quantized(plain, plain.parent / args.write_quantized[1], args.write_quantized[1])
-        return
     if args.measure:
         print(json.dumps(measure(Path(args.measure[0]), args.measure[1])))
         return
     size = SIZES["smoke" if args.smoke else "default"]
-    if args.write:
-        print(write_checkpoint(Path(args.write), size))
+    if args.write:  # the plain checkpoint, then the quantized ones of --formats beside it
+        plain = Path(args.write)
+        print(write_checkpoint(plain, size))
+        for fmt in [f for f in ("fp8", "gptq") if f in args.formats]:
+            write_quantized(plain, plain.parent / fmt, fmt)
         return
     here = [sys.executable, os.path.abspath(__file__)] + (["--smoke"] if args.smoke else [])
+    formats = ["--formats", *args.formats]
     runs = {"bf16": ("genserve", "naive"), "fp8": ("genserve", "quantize_after"),
             "gptq": ("genserve", "genserve_int4wo", "quantize_after")}
     runs = {fmt: loaders for fmt, loaders in runs.items() if fmt in args.formats}
@@ -207,9 +205,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         plain = Path(tmp) / "bf16"
         plain.mkdir()
-        results["parameters"] = int(subprocess.check_output(here + ["--write", str(plain)]))
-        for fmt in [f for f in ("fp8", "gptq") if f in runs]:
-            subprocess.check_call(here + ["--write-quantized", str(plain), fmt])
+        # One writer process for every checkpoint (each process start imports torch again).
+        results["parameters"] = int(subprocess.check_output(
+            here + formats + ["--write", str(plain)]))
         for fmt, loaders in runs.items():
             folder = Path(tmp) / fmt
             ckpt = (folder / "model.safetensors").stat().st_size

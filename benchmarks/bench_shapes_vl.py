@@ -2,9 +2,11 @@
 
     python benchmarks/bench_shapes_vl.py            # prints a JSON summary at the end
     python benchmarks/bench_shapes_vl.py --smoke    # 1 picture, 2 at once: checks the script
+    python benchmarks/bench_shapes_vl.py --url URL  # a running server is the radix side
 
 A real `genserve serve --model-path <shapes-vl>` (float32, no diffusion) is started twice, with
-the radix cache and with --disable-radix-cache, and each is sent, through
+the radix cache and with --disable-radix-cache (`--url`: a running server that serves shapes-vl
+with the radix cache takes the first one's place), and each is sent, through
 /v1/chat/completions with a base64 PNG (a held-out scene, 128 px) and "Describe the image.":
  1. batch 1: requests one after another, each with a new picture (nothing cached);
  2. batch 1, the same picture again (its tokens come from the prefix cache);
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import io
 import json
 import statistics
@@ -65,8 +68,11 @@ def ms(xs: list[float]) -> dict[str, float]:
 
 
 def run(flags: list[str], scenes: list[world.Scene], pictures: list[bytes],
-        batch1: int = 8, burst_size: int = 16) -> dict:
-    with serve_process("--model-path", str(WEIGHTS_PATH), *flags) as url:
+        batch1: int = 8, burst_size: int = 16, url: str | None = None) -> dict:
+    """The three parts on a server started with `flags`, or on the running server `url`."""
+    server = (contextlib.nullcontext(url) if url
+              else serve_process("--model-path", str(WEIGHTS_PATH), *flags))
+    with server as url:
         describe(url, pictures[9])  # warm-up (not one of the measured pictures)
         fresh = [describe(url, p) for p in pictures[:batch1]]
         again = [describe(url, pictures[0]) for _ in range(batch1)]
@@ -96,7 +102,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true",
                     help="1 picture at batch 1 and 2 at once on each server: checks the script")
-    sizes = (1, 2) if ap.parse_args().smoke else (8, 16)
+    ap.add_argument("--url", default=None,
+                    help="a running server (shapes-vl, radix cache) as the radix-cache side")
+    args = ap.parse_args()
+    sizes = (1, 2) if args.smoke else (8, 16)
 
     scenes, pictures = vl_evaluate.held_out_pictures(10, seed=3, strength=0.0)
     big = [
@@ -104,7 +113,7 @@ def main() -> None:
         for p in pictures
     ]  # 128 px, as a pasted picture would be
     summary = {
-        "radix_cache": run([], scenes, big, *sizes),
+        "radix_cache": run([], scenes, big, *sizes, url=args.url),
         "no_radix_cache": run(["--disable-radix-cache"], scenes, big, *sizes),
     }
     print(json.dumps(summary, indent=2))

@@ -78,14 +78,17 @@ def rss_mib(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def serve(*flags: str, start_timeout: float = 600.0) -> Iterator[ServerProcess]:
-    """`genserve serve <flags>` on a free loopback port, yielded once /health answers 200;
-    SIGTERM (then SIGKILL) afterwards. Its log goes to a temporary file."""
+def serve(*flags: str, start_timeout: float = 600.0,
+          env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """`genserve serve <flags>` on a free loopback port (with `env` added to this process's
+    environment), yielded once /health answers 200; SIGTERM (then SIGKILL) afterwards. Its log
+    goes to a temporary file."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="genserve-", suffix=".log", delete=False)
     proc = subprocess.Popen(
         [sys.executable, "-m", "genserve.entrypoints.cli", "serve", "--host", "127.0.0.1",
-         "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT, text=True)
+         "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **env} if env else None)
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", log.name)
     try:
         deadline = time.monotonic() + start_timeout

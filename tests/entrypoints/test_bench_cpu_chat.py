@@ -1,6 +1,7 @@
 """benchmarks/bench_cpu_chat.py's `--smoke` run: the script's output shape, never its speed.
 
-genserve serves the embedded SmolLM2 GGUF; each peer (llama.cpp's `llama-server`,
+genserve's side is the session's server on the embedded SmolLM2 GGUF (`server_url`, measured
+through `--url`: no server start of its own); each peer (llama.cpp's `llama-server`,
 llama-cpp-python's server) runs when installed and is otherwise skipped with its reason printed.
 Every request asks for `ignore_eos`, and the tokens are read from `usage`, so genserve's and
 llama.cpp's counts are exactly the requested lengths (llama-cpp-python streams no usage)."""
@@ -22,15 +23,17 @@ _SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_cpu_chat.p
 PEERS = ("llama.cpp", "llama-cpp-python")
 
 
-@pytest.mark.slow  # one SmolLM2 server start (plus the peers that are installed)
-def test_smoke_run_reports_every_side_or_why_it_was_skipped(tmp_path):
+@pytest.mark.slow  # the shared SmolLM2 server (plus a start of each peer that is installed)
+def test_smoke_run_reports_every_side_or_why_it_was_skipped(tmp_path, server_url):
     out = tmp_path / "summary.json"
     env = {**os.environ, "PYTHONPATH": str(_SCRIPT.parents[1])}
-    run = subprocess.run([sys.executable, str(_SCRIPT), "--smoke", "--threads", "1", "--json",
-                          str(out)], capture_output=True, text=True, timeout=900, env=env)
+    run = subprocess.run([sys.executable, str(_SCRIPT), "--smoke", "--threads", "1", "--url",
+                          server_url, "--json", str(out)], capture_output=True, text=True,
+                         timeout=900, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(out.read_text())
     assert summary["genserve"]["quantization"] == "none"
+    assert summary["genserve"]["url"] == server_url
     assert summary["rounds"] == 1 and summary["streams"] == 2 and summary["tokens"] == 4
     ran = [name for name in PEERS if name not in summary["skipped"]]
     for name in PEERS:

@@ -1,7 +1,11 @@
-"""benchmarks/bench_coschedule.py --smoke against the session's demo-model server: the table and
-the JSON summary have their shape (speed is not checked)."""
+"""The benchmarks that can measure a running server (`--url`) run `--smoke` against the
+session's demo-model server (`shapes_demo_server`: shapes-vl, shapes-image, shapes-video)
+instead of starting their own: their tables and JSON summaries have their shape (speed is not
+checked)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -10,7 +14,7 @@ from tests.bench_scripts import has_keys, last_json, run_smoke
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def test_coschedule_smoke(shapes_demo_server):
+def test_bench_coschedule(shapes_demo_server):
     out = run_smoke("bench_coschedule", "--url", shapes_demo_server, timeout=120)
     s = last_json(out)
     has_keys(
@@ -24,3 +28,14 @@ def test_coschedule_smoke(shapes_demo_server):
         assert part["chat"]["requests"] >= 2 and part["realtime"]["frames"] >= 2
     assert set(s["ratios"]) == set(s["targets"]) == set(s["met"])
     assert "realtime_gap_ratio" in out and "target" in out
+
+
+def test_bench_shapes_vl(shapes_demo_server):
+    """The shared server is the radix-cache side; the script starts its side without it."""
+    s = last_json(run_smoke("bench_shapes_vl", "--url", shapes_demo_server))
+    for server in ("radix_cache", "no_radix_cache"):
+        row = s[server]
+        for part in ("batch1_new_picture", "batch1_same_picture", "concurrent2_same_picture"):
+            has_keys(row[part], "median_ms", "max_ms")
+        assert row["concurrent2_same_picture"]["wall_ms"] > 0
+        assert re.fullmatch(r"[0-4]/4", row["answers_right"])
