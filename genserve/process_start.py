@@ -29,24 +29,21 @@ from typing import Any
 
 from genserve import envs
 
-# What the fork server imports before it forks anything: torch and the libraries every runtime
-# needs. The diffusion libraries join them when the caller says it will start a diffusion
-# worker (`preload_diffusion`): a server of LLMs alone would only wait for them.
-_BASE_PRELOAD = ("torch", "torch._dynamo", "numpy", "safetensors", "transformers",
-                 "genserve.srt.engine_core")
-_DIFFUSION_PRELOAD = ("diffusers", "genserve.multimodal_gen.worker")
+# What the fork server imports before it forks anything: torch and what every LLM runtime
+# imports. The callers add what their runtime needs besides (`preload`): torch's compiler for a
+# compiled model, the diffusion libraries for a diffusion worker. A server of eager LLMs alone
+# would only wait for those.
 _lock = threading.Lock()
-_preload: list[str] = list(_BASE_PRELOAD)
+_preload: list[str] = ["torch", "numpy", "safetensors", "transformers", "xgrammar",
+                       "genserve.srt.engine_core"]
 _context: Any = None
 
 
-def preload_diffusion() -> None:
-    """Have the fork server import the diffusion libraries too; call it before the first
-    runtime starts (later calls change nothing: the server imports once)."""
+def preload(*modules: str) -> None:
+    """Have the fork server import `modules` too; call it before the first runtime starts
+    (later calls change nothing: the server imports once)."""
     with _lock:
-        for name in _DIFFUSION_PRELOAD:
-            if name not in _preload:
-                _preload.append(name)
+        _preload.extend(m for m in modules if m not in _preload)
 
 
 def _method() -> str:

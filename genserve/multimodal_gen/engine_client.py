@@ -38,7 +38,7 @@ from genserve.multimodal_gen.messages import (
 )
 from genserve.multimodal_gen.validation import resolve_request
 from genserve.multimodal_gen.worker import WorkerConfig, worker_main
-from genserve.process_start import preload_diffusion, process_context, run_in_process
+from genserve.process_start import preload, process_context, run_in_process
 from genserve.supervision import ProcessSupervisor, RestartPolicy
 
 logger = logging.getLogger("genserve.diffusion")
@@ -84,7 +84,7 @@ class WorkerDiffusionClient(DiffusionEngineClient):
 
     def _spawn(self) -> int:
         """Start a worker, wait until its models are loaded, start its reader: the pid."""
-        preload_diffusion()
+        preload("torch._dynamo", "diffusers", "genserve.multimodal_gen.worker")
         ctx = process_context()
         link = _WorkerLink(None, ctx.Queue(), ctx.Queue())
         args: tuple = (self.config, link.inbox, link.outbox)

@@ -14,7 +14,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from genserve.process_start import process_context, run_in_process
+from genserve.process_start import preload, process_context, run_in_process
 from genserve.srt.client import LLMEngineClient
 from genserve.srt.messages import (
     AbortReq,
@@ -125,6 +125,8 @@ class AsyncEngine(LLMEngineClient):
         plus the resolved `folder`). Raises RuntimeError when it cannot start."""
         from genserve.srt.scheduler.process import run_scheduler_process
 
+        if args.compile is not False:
+            preload("torch._dynamo")
         ctx = process_context()
         conn, child_conn = ctx.Pipe()
         proc = run_in_process(ctx, run_scheduler_process,
