@@ -110,7 +110,7 @@ def router_command(host: str, port: int, worker_urls: Sequence[str], policy: str
                    extra: Sequence[str] = ()) -> list[str]:
     """The router's command line. Its Prometheus exporter gets a free port (its default, 29000,
     would make a second router on the machine exit at start)."""
-    return [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
+    return [sys.executable, "-m", "genserve.entrypoints.router_launch", "--host", host,
             "--port", str(port), "--policy", policy, "--worker-urls", *worker_urls,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port("127.0.0.1")),
             # Notice a dead replica within a few seconds (the defaults wait minutes).

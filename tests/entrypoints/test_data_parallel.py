@@ -203,3 +203,24 @@ def test_worker_flags_drop_the_scale_out_ones():
     assert data_parallel.worker_argv(flags, 9001) == [
         "--model-path", "m.gguf", "--num-threads", "1", "--host", "127.0.0.1", "--port", "9001",
         "--no-diffusion"]
+
+
+def test_the_router_launcher_imports_neither_sglang_nor_torch():
+    """sglang-router's own launcher imports SGLang and torch; genserve's builds the same Rust
+    router from the same flags without them (the cluster above runs behind it)."""
+    if not data_parallel.router_available():
+        missing("sglang-router")
+    probe = ("import sys\n"
+             "from genserve.entrypoints.router_launch import build_router\n"
+             "build_router(sys.argv[1:])\n"
+             "print(sorted(m for m in ('sglang', 'torch', 'transformers') if m in sys.modules))")
+    cmd = data_parallel.router_command("127.0.0.1", free_port(), ["http://127.0.0.1:1"],
+                                       "round_robin")
+    assert cmd[1:3] == ["-m", "genserve.entrypoints.router_launch"]
+    out = subprocess.run([sys.executable, "-c", probe, *cmd[3:]], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    bad = subprocess.run([sys.executable, "-m", "genserve.entrypoints.router_launch",
+                          "--mini-lb", *cmd[3:]], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "Rust router only" in bad.stderr
