@@ -11,6 +11,15 @@ from typing import Any
 from genserve.srt.scheduler.req import Req
 
 
+def alloc_slots(n: int, allocator: Any, cache: Any) -> Any:
+    """n free KV slots, evicting unlocked cache first when the free list is short; None when
+    even that leaves too few (nothing is allocated then)."""
+    short = n - allocator.available_size()
+    if short > 0:
+        cache.evict(short)
+    return allocator.alloc(n)
+
+
 def insert_prefix(req: Req, req_to_token_pool: Any, cache: Any) -> None:
     """Hand the request's computed KV to the cache; it keeps using the cache's slots."""
     kv = req_to_token_pool.read(req.row, 0, req.kv_len).clone()

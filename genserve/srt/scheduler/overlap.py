@@ -41,6 +41,8 @@ import torch
 from genserve.srt.forward_batch import ForwardBatch, ForwardMode
 from genserve.srt.mem_cache import IntegrityError
 from genserve.srt.sampling import SamplingBatchInfo
+from genserve.srt.scheduler.kv_ownership import alloc_slots
+from genserve.srt.scheduler.sample_step import sampling_info
 
 if TYPE_CHECKING:
     from genserve.srt.messages import ReqOutput
@@ -144,10 +146,7 @@ class OverlapScheduler:
         s = self.s
         reqs = list(s.running)
         n = len(reqs)
-        short = n - s.allocator.available_size()
-        if short > 0:
-            s.cache.evict(short)
-        slots = s.allocator.alloc(n)
+        slots = alloc_slots(n, s.allocator, s.cache)
         if slots is None:
             return None
         # With a step in flight every running request was in it, and its input token is that
@@ -169,15 +168,7 @@ class OverlapScheduler:
             lora_slots=[r.lora_slot for r in reqs],
         )
         # No row reads its output tokens here (needs_host_tokens): the lag does not matter.
-        info = SamplingBatchInfo.build(
-            [r.params for r in reqs],
-            [r.generator for r in reqs],
-            [r.origin_input_ids for r in reqs],
-            [r.output_ids for r in reqs],
-            s.eos_ids,
-            s.vocab_size,
-            s.device,
-        )
+        info = sampling_info(s, reqs)
         for req in reqs:
             req.kv_len += 1  # the step writes the KV of its input token
         s.stats["decode_steps"] += 1

@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from genserve.srt.scheduler.scheduler import Scheduler
 
 
-def sample_step(s: Scheduler, reqs: list[Req], logits: torch.Tensor) -> None:
-    """Sample the next token of each request from its row of `logits` [len(reqs), V]."""
-    info = SamplingBatchInfo.build(
+def sampling_info(s: Scheduler, reqs: list[Req]) -> SamplingBatchInfo:
+    """The sampling parameters of a batch of requests, one row each."""
+    return SamplingBatchInfo.build(
         [r.params for r in reqs],
         [r.generator for r in reqs],
         [r.origin_input_ids for r in reqs],
@@ -28,6 +28,11 @@ def sample_step(s: Scheduler, reqs: list[Req], logits: torch.Tensor) -> None:
         s.vocab_size,
         s.device,
     )
+
+
+def sample_step(s: Scheduler, reqs: list[Req], logits: torch.Tensor) -> None:
+    """Sample the next token of each request from its row of `logits` [len(reqs), V]."""
+    info = sampling_info(s, reqs)
     if s.grammar is not None:
         apply_grammar_masks(reqs, info, s.grammar, s.device)
     want_lp = any(r.return_logprob for r in reqs)

@@ -28,7 +28,7 @@ from genserve.srt.scheduler.batch import ExtendBatch
 from genserve.srt.scheduler.grammar_queue import GrammarQueue
 from genserve.srt.scheduler.input_logprobs import plan_scored_rows, score_prompt_rows
 from genserve.srt.scheduler.introspection import check_scheduler_integrity, log_step, scheduler_info
-from genserve.srt.scheduler.kv_ownership import insert_prefix, release_req
+from genserve.srt.scheduler.kv_ownership import alloc_slots, insert_prefix, release_req
 from genserve.srt.scheduler.overlap import create_overlap
 from genserve.srt.scheduler.policy import create_policy
 from genserve.srt.scheduler.pooling import pooled_vector
@@ -263,10 +263,7 @@ class Scheduler:
 
     def _alloc_extend(self, req: Req, start: int, n: int) -> bool:
         """Give `req` n new KV slots at columns [start, start + n), evicting cache if needed."""
-        short = n - self.allocator.available_size()
-        if short > 0:
-            self.cache.evict(short)
-        slots = self.allocator.alloc(n)
+        slots = alloc_slots(n, self.allocator, self.cache)
         if slots is None:
             return False
         if req.row is None:

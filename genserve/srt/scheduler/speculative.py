@@ -19,6 +19,7 @@ import torch
 
 from genserve.srt.forward_batch import ForwardMode
 from genserve.srt.messages import ReqOutput
+from genserve.srt.scheduler.kv_ownership import alloc_slots
 from genserve.srt.scheduler.sample_step import sample_step
 from genserve.srt.server_args import EngineArgs
 from genserve.srt.speculative import NgramProposer, can_speculate, verify_draft
@@ -124,10 +125,7 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
         return False
     lens = [1 + len(d) for d in drafts]
     need = sum(lens)
-    short = need - s.allocator.available_size()
-    if short > 0:
-        s.cache.evict(short)
-    slots = s.allocator.alloc(need) if s.allocator.available_size() >= need else None
+    slots = alloc_slots(need, s.allocator, s.cache)
     if slots is None:
         return False
     input_ids: list[int] = []
