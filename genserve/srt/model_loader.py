@@ -7,6 +7,7 @@ safetensors + tokenizer) under GENSERVE_CACHE_DIR, so later starts take seconds.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -32,7 +33,7 @@ from genserve.srt.models.registry import (
 from genserve.srt.named_models import EMBEDDED, row_for_path
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from genserve.srt.layers.prequantized import CheckpointQuantization, QuantizedWeight
     from genserve.srt.models.base import CausalLM, WeightLoader
@@ -255,9 +256,7 @@ def _gguf_to_folder(gguf: Path, dtype: torch.dtype) -> Path:
     )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
-    try:
+    with _filled_then_named(folder) as tmp:
         try:
             # transformers shows a progress bar while it dequantizes the tensors.
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -280,14 +279,25 @@ def _gguf_to_folder(gguf: Path, dtype: torch.dtype) -> Path:
             model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         del model, state
+    return folder
+
+
+@contextlib.contextmanager
+def _filled_then_named(folder: Path) -> Iterator[Path]:
+    """A temporary folder beside `folder` for the block to fill; renamed to `folder` when the
+    block ends without an error (kept as it is when another process made it meanwhile),
+    removed in every case."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    try:
+        yield tmp
         try:
             tmp.rename(folder)
-        except OSError:  # another process converted it meanwhile
+        except OSError:  # another process made it meanwhile
             if not (folder / "config.json").is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return folder
 
 
 def _cast_converted(full: Path, folder: Path, dtype: torch.dtype) -> Path:
@@ -295,8 +305,7 @@ def _cast_converted(full: Path, folder: Path, dtype: torch.dtype) -> Path:
     from the GGUF would write (it dequantizes in float32 and rounds the same way), without
     parsing the GGUF again."""
     logger.info("casting %s into %s", full.name, folder.name)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
-    try:
+    with _filled_then_named(folder) as tmp:
         for src in full.iterdir():
             if src.name != "model.safetensors":
                 shutil.copy2(src, tmp / src.name)
@@ -306,13 +315,6 @@ def _cast_converted(full: Path, folder: Path, dtype: torch.dtype) -> Path:
         cfg = json.loads((tmp / "config.json").read_text())
         cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        try:
-            tmp.rename(folder)
-        except OSError:  # another process made it meanwhile
-            if not (folder / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
