@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from genserve.srt.chat_roles import chat_role_markers
-from genserve.srt.compile_cache import CompileCacheReport, DecodeCompileCache
+from genserve.srt.compile_warm_up import BackgroundWarmUp, warm_up_blocking
 from genserve.srt.device import resolve_device
 from genserve.srt.encoder_runtime import EncoderRuntime
 from genserve.srt.layers.prequantized import precision_class
@@ -19,7 +19,6 @@ from genserve.srt.model_config import ModelConfig
 from genserve.srt.model_loader import gguf_path_of, gguf_precision_class, resolve_model_folder
 from genserve.srt.model_runner import ModelRunner, check_tensor_parallel
 from genserve.srt.pooling_config import read_pooling_spec
-from genserve.srt.sampling.sampling_params import SamplingParams
 from genserve.srt.scheduler.scheduler import Scheduler
 from genserve.srt.server_args import EngineArgs
 from genserve.srt.speculative.draft_model import build_draft_runner, resolve_draft_model
@@ -28,7 +27,7 @@ from genserve.srt.speculative.eagle_model import (
     EagleRunner,
     resolve_eagle_checkpoint,
 )
-from genserve.srt.tokenizer_manager import load_tokenizer, make_tokenized_req
+from genserve.srt.tokenizer_manager import load_tokenizer
 
 if TYPE_CHECKING:
     from genserve.srt.tp_worker import TPWorkers
@@ -96,42 +95,6 @@ def context_length_for(args: EngineArgs, config: ModelConfig) -> int:
     return args.context_length
 
 
-def warm_up_compiled_decode(scheduler: Scheduler) -> CompileCacheReport:
-    """Run one short greedy request so torch.compile builds the batch-1 decode graph at
-    start-up rather than on a user's first request; its cache entries are flushed after. The
-    compiled artifacts come from, or go to, the compile cache (genserve/srt/compile_cache.py)."""
-    import time
-
-    runner = scheduler.runner
-    cache = DecodeCompileCache(runner.folder, {
-        "architecture": runner.config.architecture,
-        "quantization": runner.quantization,
-        "dtype": str(runner.dtype),
-        "device": runner.device.type,
-        "attention_backend": runner.attention_backend_name,
-        "max_total_tokens": runner.max_total_tokens,  # the KV pool's shape is in the graph
-    })
-    start = time.perf_counter()
-    cache.load()
-    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
-    scheduler.add_request(make_tokenized_req([0, 1, 2, 3], params, rid="compile-warm-up"))
-    while scheduler.has_work():
-        scheduler.step()
-    scheduler.flush_cache()
-    scheduler.check_integrity()
-    report = cache.finish()
-    seconds = time.perf_counter() - start
-    logger.info(
-        "compile: decode step compiled in %.1f s (compile cache %s%s)",
-        seconds,
-        "hit" if report.hit else "miss",
-        f", {report.path}" if report.path is not None else ", off",
-    )
-    runner.compile_report = {"cache_hit": report.hit, "cache_loaded": report.loaded,
-                             "seconds": round(seconds, 3)}
-    return report
-
-
 def build_runtime(
     args: EngineArgs,
     log_level: str = "info",
@@ -186,12 +149,17 @@ def build_runtime(
         EagleRunner(draft, runner) if isinstance(draft, EagleCheckpoint)
         else build_draft_runner(args, draft, runner, context_length))
     scheduler = Scheduler(args, runner, tokenizer, draft_runner)
-    if runner.compiled:
-        warm_up_compiled_decode(scheduler)
+    # A blocking warm-up runs before the memory plan's answer (beside the other runtimes'
+    # loading); a background one after it, over the pool the runtime keeps.
+    blocking = runner.compiled and args.compile_warm_up == "blocking"
+    if blocking:
+        warm_up_blocking(scheduler)
     if runner.settle_planned_pool():  # the plan gave less than the runner started with
         scheduler = Scheduler(args, runner, tokenizer, draft_runner)
-        if runner.compiled:
-            warm_up_compiled_decode(scheduler)
+        if blocking:
+            warm_up_blocking(scheduler)
+    if runner.compiled and not blocking:
+        runner.warming = BackgroundWarmUp(runner).start()
     kv_gib = runner.max_total_tokens * runner.kv_bytes_per_token() / 2**30
     checkpoint_fmt = runner.checkpoint_quantization
     logger.info(

@@ -46,6 +46,7 @@ from genserve.srt.pooling_config import PoolingSpec
 from genserve.srt.server_args import EngineArgs
 
 if TYPE_CHECKING:
+    from genserve.srt.compile_warm_up import BackgroundWarmUp
     from genserve.srt.tp_worker import TPWorkers
 
 logger = logging.getLogger(__name__)
@@ -195,8 +196,12 @@ class ModelRunner(KVPoolSizing):
         for entry in args.lora_paths if self.lora is not None else ():
             name, _, path = entry.partition("=")
             self.lora.add(name, path)  # type: ignore[union-attr]
-        # The warm-up compile's outcome: {cache_hit, cache_loaded, seconds} (engine_core).
+        # The warm-up compile's outcome: {cache_hit, cache_loaded, seconds}, or {error} when a
+        # background warm-up failed (compile_warm_up.py); and where the compile stands: off,
+        # compiling, ready or failed. `warming`: the background warm-up while it runs.
         self.compile_report: dict | None = None
+        self.compile_state = "compiling" if self.compiled else "off"
+        self.warming: BackgroundWarmUp | None = None
         # EAGLE speculation: given every forward's batch with the target's features in
         # `hidden_out` (None: no forward captures them).
         self.on_hidden: Callable[[ForwardBatch], None] | None = None
@@ -305,6 +310,13 @@ class ModelRunner(KVPoolSizing):
         )
         return functools.partial(compiled, self.model)
 
+    def poll_compile(self) -> str:
+        """Where the compile stands; in the scheduler's thread, a background warm-up that has
+        finished is adopted here (its compiled step used from the next forward on)."""
+        if self.warming is not None and self.warming.adopt():
+            self.warming = None
+        return self.compile_state
+
     def _build_pools(self, tokens: int) -> None:
         """The KV pool of `tokens` slots, its allocator and the attention backend over it."""
         self.max_total_tokens = tokens
@@ -381,6 +393,8 @@ class ModelRunner(KVPoolSizing):
 
         verify_rows: `fb` is one request's speculative verify laid out as decode rows (see
         `speculative/verify_rows.py`); under --compile it runs the compiled decode step too."""
+        if self.warming is not None:
+            self.poll_compile()
         if self.tp_workers is not None:
             from genserve.srt.tp_worker import forward_inputs
 

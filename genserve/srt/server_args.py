@@ -56,6 +56,10 @@ class EngineArgs:
     # with a C++ compiler and one rank (the laptop chat, where it pays: docs/benchmarks.md),
     # else off.
     compile: bool | None = None
+    # How that warm-up runs (genserve/srt/compile_warm_up.py): blocking (the start waits for
+    # it) or background (the runtime serves at once, decoding eagerly until it is compiled;
+    # `genserve serve`'s default).
+    compile_warm_up: str = "blocking"
     # Vision-language models: byte budget of the image-embedding LRU, images per request.
     image_cache_bytes: int = 512 * 1024 * 1024
     max_images_per_request: int = 16
@@ -142,6 +146,9 @@ class EngineArgs:
             raise ValueError(
                 f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}"
             )
+        if self.compile_warm_up not in ("background", "blocking"):
+            raise ValueError("compile_warm_up must be 'background' or 'blocking', got "
+                             f"{self.compile_warm_up!r}")
         if self.image_cache_bytes < 0:
             raise ValueError(f"image_cache_bytes must be >= 0, got {self.image_cache_bytes}")
         if self.max_images_per_request < 1:

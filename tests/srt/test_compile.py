@@ -101,3 +101,70 @@ def test_serve_and_generate_flags_map_to_compile():
     # One request never repays compiling: `generate` compiles only when asked.
     assert text_engine_args(parse(["generate", "--prompt", "hi"])).compile is False
     assert text_engine_args(parse(["generate", "--prompt", "hi", "--compile"])).compile is True
+
+
+def test_background_warm_up_serves_at_once_then_switches_without_a_recompile(
+        tiny_model_factory):
+    folder = str(tiny_model_factory("llama"))
+    eager = Engine(folder, dtype="float32", max_total_tokens=2048)
+    torch._dynamo.utils.counters.clear()
+    engine = Engine(folder, dtype="float32", max_total_tokens=2048, compile=True,
+                    compile_warm_up="background")
+    runner = engine.runtime.runner
+    # Returned before the compile: decode steps are eager until the warm-up is adopted.
+    assert runner._compiled_decode is None and runner.warming is not None
+    assert runner.warming.wait(600)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs >= 1
+    assert engine.server_info()["compile_state"] == "ready"  # adopted: the next step compiles
+    assert runner.compile_report["seconds"] > 0, runner.compile_report
+    calls = {"n": 0}
+    inner = runner._compiled_decode
+
+    def counted(fb):
+        calls["n"] += 1
+        return inner(fb)
+
+    runner._compiled_decode = counted
+    for ids in [prompt(i, 20) for i in range(3)]:
+        want = eager.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
+        assert engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] == want
+    assert calls["n"] == 3 * (GREEDY["max_new_tokens"] - 1)
+    # The graph traced over the warm-up's private batch and backend serves the scheduler's
+    # batches: no new trace (a guard they failed, such as on their tensors' dispatch keys,
+    # would recompile on a user's request).
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    engine.check_integrity()  # the warm-up held no slot or row of the scheduler's
+    eager.shutdown()
+    engine.shutdown()
+
+
+def test_a_failed_background_warm_up_leaves_the_runtime_eager(tiny_model_factory):
+    from genserve.srt.compile_warm_up import BackgroundWarmUp
+
+    folder = str(tiny_model_factory("llama"))
+    engine = Engine(folder, dtype="float32", max_total_tokens=2048, compile=True,
+                    compile_warm_up="background")
+    runner = engine.runtime.runner
+    runner.warming.wait(600)
+    runner.poll_compile()
+    runner._compiled_decode = runner._compile_decode()  # a fresh, not yet traced step
+
+    def broken(fb):
+        raise RuntimeError("no kernel for this step")
+
+    warming = BackgroundWarmUp(runner)
+    warming.compiled = broken
+    runner.warming = warming.start()
+    assert warming.wait(60)
+    assert engine.server_info()["compile_state"] == "failed"
+    assert "no kernel for this step" in runner.compile_report["error"]
+    assert runner._compiled_decode is None  # eager for good
+    out = engine.generate(input_ids=prompt(0, 20), sampling_params=GREEDY)
+    assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
+    engine.shutdown()
+
+
+def test_an_unknown_compile_warm_up_is_refused():
+    with pytest.raises(ValueError, match="compile_warm_up must be 'background' or 'blocking'"):
+        Engine(compile_warm_up="later")

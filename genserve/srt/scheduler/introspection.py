@@ -70,6 +70,7 @@ def scheduler_info(s: Scheduler) -> dict[str, Any]:
         "quantization": s.runner.quantization,
         "checkpoint_quantization": s.runner.checkpoint_quantization,
         "compile": s.runner.compiled,
+        "compile_state": s.runner.poll_compile(),  # off, compiling, ready or failed
         "compile_report": s.runner.compile_report,
         "available_tokens": free,
         "kv_used_tokens": used,
