@@ -6,10 +6,13 @@ runtimes' processes are stopped and the process exits 0. A second SIGINT forces 
 The runtime processes ignore both signals (Ctrl-C reaches the whole process group): stopping them
 is this process's job, after the drain.
 
-On a host (no GPU) the first LLM starts alone and the other runtimes once its weights are in:
-loading is CPU-bound, so starting everything at once only slows the first LLM's load, and its
-compile warm-up, the longest single step of a start and one thread wide, then runs beside the
-others' loading instead of after it. On a GPU every runtime starts at once.
+Every runtime starts at once, except on a host (no GPU) whose first LLM compiles its decode
+step with a blocking warm-up (`--compile-warm-up blocking`): there the first LLM starts alone
+and the other runtimes once its weights are in. Loading is CPU-bound, so starting everything
+at once only slows the first LLM's load, and its warm-up, the longest single step of such a
+start and one thread wide, then runs beside the others' loading instead of after it. With the
+default background warm-up nothing waits on the compile, and starting everything at once
+answers soonest.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def engine_args_from(args: argparse.Namespace, model_path: str | None) -> Any:
     }
     for name in ("dtype", "mem_fraction", "chunked_prefill_size", "page_size", "num_threads",
                  "grammar_backend", "max_images_per_request", "image_cache_bytes",
-                 "quantization", "compile", "tp_size", "speculative_algorithm",
+                 "quantization", "compile", "compile_warm_up", "tp_size", "speculative_algorithm",
                  "speculative_num_draft_tokens", "speculative_draft_model_path",
                  "speculative_num_steps", "speculative_ngram_min_match_window_size",
                  "speculative_ngram_max_match_window_size", "max_loaded_loras",
@@ -240,7 +243,7 @@ async def _start_llms(args: argparse.Namespace, clients: list[LLMEngineClient],
                 planner.abort(f"{path or 'the default LLM'}: {exc}")
             raise
 
-    stagger = planner is not None and host_only(args.device)
+    stagger = _stagger(args, planner)
     started = await asyncio.gather(
         *(_in_own_thread(start, p, stagger and i > 0) for i, p in enumerate(llm_paths(args))),
         return_exceptions=True)
@@ -252,6 +255,12 @@ async def _start_llms(args: argparse.Namespace, clients: list[LLMEngineClient],
         info = await engine.server_info()
         logger.info("LLM %r ready: context length %d, KV pool %s tokens", engine.model_name,
                     engine.context_length, info.get("max_total_tokens", "?"))
+
+
+def _stagger(args: argparse.Namespace, planner: ServerMemoryPlanner | None) -> bool:
+    """Whether the other runtimes wait for the first LLM's weights (the module's docstring)."""
+    blocking = getattr(args, "compile_warm_up", "background") == "blocking"
+    return planner is not None and blocking and host_only(args.device)
 
 
 async def _start_diffusion(args: argparse.Namespace, started: list[Any],
@@ -292,7 +301,7 @@ async def _start_runtimes(args: argparse.Namespace, llm_clients: list[LLMEngineC
     if want_llm:
         starts.append(_start_llms(args, llm_clients, planner))
     if want_diffusion:
-        stagger = want_llm and host_only(args.device)
+        stagger = want_llm and _stagger(args, planner)
         starts.append(_start_diffusion(args, diffusion, planner, stagger))
     results = await asyncio.gather(*starts, return_exceptions=True)
     failures = [r for r in results if isinstance(r, BaseException)]
