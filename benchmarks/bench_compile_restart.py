@@ -12,8 +12,12 @@ and measures from launching the process to the first streamed token of a chat re
 - `restart`: the same caches again, as a second start on the same machine;
 - `restart_genserve_cache_only`: genserve's cache with torch's own cache folder fresh again (a
   machine whose temporary folder was cleared), so only genserve's stored artifacts can hit.
-For each it reports the wall time, the warm-up compile's own time and whether the compile cache
-hit (the server's `compile_report`). `--rounds N` repeats the two restarts. Prints JSON.
+For each it reports the wall time to /health, to the first token and to the compiled decode
+step being in use (with `--compile-warm-up background`, the default, the server answers before
+that), the warm-up compile's own time and whether the compile cache hit (the server's
+`compile_report`). `--rounds N` repeats the two restarts. `--warm-ups background,blocking`
+measures restarts under each `--compile-warm-up` instead, alternating which goes first from
+round to round. Prints JSON.
 """
 
 from __future__ import annotations
@@ -74,13 +78,21 @@ def start_once(flags: list[str], env: dict[str, str], timeout: float) -> dict:
             info = httpx.get(url + "/get_server_info", timeout=30).json()
             token = first_token(url, info["model_name"])
             ttft = time.perf_counter() - t0
+            while info.get("compile_state") == "compiling":  # a background warm-up
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the decode step did not finish compiling")
+                time.sleep(0.25)
+                info = httpx.get(url + "/get_server_info", timeout=30).json()
+            compiled = time.perf_counter() - t0
         finally:
             proc.terminate()
             proc.wait(60)
         log.seek(0)
         cache_lines = [ln.strip() for ln in log if "compile cache" in ln]
     return {"start_to_first_token_s": round(ttft, 2), "start_to_healthy_s": round(healthy, 2),
-            "compile": info["compile"], "compile_report": info.get("compile_report"),
+            "start_to_compiled_s": round(compiled, 2),
+            "compile": info["compile"], "compile_state": info.get("compile_state"),
+            "compile_report": info.get("compile_report"),
             "first_token": token, "log": cache_lines[-1:]}
 
 
@@ -94,6 +106,9 @@ def main() -> None:
                     "the three starts of one round, to check the script")
     ap.add_argument("--with-diffusion", action="store_true",
                     help="start the diffusion runtime too (the whole default server)")
+    ap.add_argument("--warm-ups", default=None,
+                    help="comma-separated --compile-warm-up values to restart under, in "
+                         "interleaved rounds (instead of the two restart kinds)")
     args = ap.parse_args()
     if args.smoke:
         from genserve.bench.tiny import tiny_chat_model
@@ -109,6 +124,9 @@ def main() -> None:
     out: dict = {"flags": args.flags, "first": start_once(args.flags, env, args.timeout),
                  "restart": [], "restart_genserve_cache_only": []}
     print(json.dumps({"first": out["first"]}), flush=True)
+    if args.warm_ups:
+        compare_warm_ups(args, env, out)
+        return
     for r in range(args.rounds):
         out["restart"].append(start_once(args.flags, env, args.timeout))
         fresh = {**env, "TORCHINDUCTOR_CACHE_DIR": str(work / f"torch{r + 1}")}
@@ -116,6 +134,23 @@ def main() -> None:
         print(json.dumps({k: out[k][-1] for k in ("restart", "restart_genserve_cache_only")}),
               flush=True)
     print(json.dumps(out, indent=2))
+
+
+def compare_warm_ups(args: argparse.Namespace, env: dict[str, str], out: dict) -> None:
+    """Restarts (caches warm from the first start) under each warm-up, interleaved."""
+    modes = args.warm_ups.split(",")
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for r in range(args.rounds):
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
+            run = start_once([*args.flags, "--compile-warm-up", mode], env, args.timeout)
+            runs[mode].append(run)
+            print(json.dumps({"round": r, "warm_up": mode, **run}), flush=True)
+    summary = {}
+    for mode, rs in runs.items():
+        summary[mode] = {key: sorted(x[key] for x in rs) for key in (
+            "start_to_healthy_s", "start_to_first_token_s", "start_to_compiled_s")}
+    print(json.dumps({"flags": args.flags, "first": out["first"], "summary": summary},
+                     indent=2))
 
 
 if __name__ == "__main__":

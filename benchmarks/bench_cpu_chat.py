@@ -115,6 +115,12 @@ def start_server(name: str, cmd: list[str], port: int, health: str,
             raise RuntimeError(f"{name} did not start ({' '.join(cmd)})")
         time.sleep(0.5)
     server.model = httpx.get(server.base + "/v1/models", timeout=30).json()["data"][0]["id"]
+    if name == "genserve":  # its compiled decode step warms up in the background: wait for it
+        while httpx.get(server.base + "/get_server_info", timeout=30).json().get(
+                "compile_state") == "compiling":
+            if time.monotonic() > deadline:
+                raise RuntimeError("genserve's decode step did not finish compiling")
+            time.sleep(0.5)
     return server
 
 
