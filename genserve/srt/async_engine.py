@@ -426,6 +426,8 @@ class AsyncEngine(LLMEngineClient):
         tok = self.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer: send input_ids instead of text")
+        if self.vision is not None:
+            text = self.vision.rules.expand_text(text, tok)
         # Chat templates that write the BOS token themselves must not get a second one.
         bos = getattr(tok, "bos_token", None)
         add_special = not (bos and text.startswith(bos))
@@ -435,6 +437,8 @@ class AsyncEngine(LLMEngineClient):
         if not add_special_tokens:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer")
+            if self.vision is not None:
+                text = self.vision.rules.expand_text(text, self.tokenizer)
             return list(self.tokenizer.encode(text, add_special_tokens=False))
         return self.tokenize(text)
 

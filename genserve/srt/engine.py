@@ -144,6 +144,8 @@ class Engine:
             raise ValueError("pass exactly one of prompt (text) or input_ids")
         if prompt is not None:
             texts = [prompt] if isinstance(prompt, str) else list(prompt)
+            if self.vision is not None:
+                texts = [self.vision.rules.expand_text(t, self.tokenizer) for t in texts]
             return [tokenize_prompt(self.tokenizer, t) for t in texts], isinstance(prompt, str)
         if not isinstance(input_ids, list) or not input_ids:
             raise ValueError("input_ids must be a non-empty list of ints or of lists of ints")

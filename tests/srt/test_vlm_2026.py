@@ -159,3 +159,33 @@ def test_gemma3_pan_and_scan_is_refused():
     assert Gemma3Processor.from_config(config, {}).num_tokens(None) == 16
     with pytest.raises(ValueError, match="pan-and-scan"):
         Gemma3Processor.from_config(config, {"do_pan_and_scan": True})
+
+
+def test_gemma3_text_with_only_the_begin_of_image_marker_is_expanded_as_hf_does(gemma3):
+    """Gemma 3's own chat template writes only the begin-of-image token for an image; the
+    prompt's text is expanded as transformers' Gemma3Processor expands it (the same ids), and
+    generates as the reference does."""
+    import io
+
+    import transformers as tf
+    from PIL import Image
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tok = tf.AutoTokenizer.from_pretrained(gemma3, extra_special_tokens={
+        "boi_token": "<|vision_start|>", "eoi_token": "<|vision_end|>", "image_token": "<image>"})
+    hf = tf.Gemma3Processor(image_processor=Gemma3ImageProcessorPil.from_pretrained(gemma3),
+                            tokenizer=tok, image_seq_length=16)
+    text = ("<|im_start|>user\n<|vision_start|>describe this picture .<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    image = png_bytes(64, 64, 4)
+    pil = Image.open(io.BytesIO(image)).convert("RGB")
+    want = [int(t) for t in hf(text=[text], images=[[pil]])["input_ids"][0]]
+    engine = Engine(str(gemma3), dtype="float32", max_total_tokens=2048)
+    [ids], _ = engine._normalize(text, None)
+    expanded, _ = engine.vision.process(ids, [image])
+    assert expanded == want
+    token = engine.vision.rules.image_token_id
+    one = [t for k, t in enumerate(want) if t != token or want[k - 1] != token]
+    out = engine.generate(prompt=text, image_data=image, sampling_params=GREEDY)
+    assert out["output_ids"] == gemma3_reference(gemma3, one, [image])
+    engine.check_integrity()

@@ -41,6 +41,13 @@ class VisionProcessor(ABC):
         """The patch grid of the HF image processor's output (checked against `image_grid`)."""
         return None
 
+    def expand_text(self, text: str, tokenizer: Any) -> str:
+        """The prompt text as the checkpoint's own processor hands it to the tokenizer, for
+        families whose chat template writes a shorter image marker than the placeholder run
+        `process` expects (Gemma 3). Runs before tokenization: only the text gives the
+        tokenizer's merges around the marker."""
+        return text
+
     @abstractmethod
     def num_tokens(self, grid: Grid | None) -> int:
         """How many placeholder tokens the image (of patch grid `grid`) becomes."""
