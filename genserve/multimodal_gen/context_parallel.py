@@ -85,14 +85,12 @@ def check_supported(model: DiffusionFamily, size: int) -> None:
         raise ValueError(f"--diffusion-cp {size}: model {model.name!r} (family {model.family}) "
                          f"cannot be split over several devices; families that can: "
                          f"{', '.join(families)}")
-    if len(model.denoisers) > 1:
-        raise ValueError(f"--diffusion-cp {size}: model {model.name!r} switches between "
-                         f"{len(model.denoisers)} denoisers (experts) by timestep; only a "
-                         "single-denoiser model can be split over several devices")
-    heads = int(getattr(model.denoiser.config, "num_attention_heads", 0) or 0)
-    if heads % size:
-        raise ValueError(f"--diffusion-cp {size} must divide the attention heads of model "
-                         f"{model.name!r} ({heads} heads): Ulysses gives each rank whole heads")
+    for denoiser in model.denoisers:  # a two-expert model (Wan 2.2 A14B): both
+        heads = int(getattr(denoiser.config, "num_attention_heads", 0) or 0)
+        if heads % size:
+            raise ValueError(f"--diffusion-cp {size} must divide the attention heads of model "
+                             f"{model.name!r} ({heads} heads): Ulysses gives each rank whole "
+                             "heads")
 
 
 def join_group(cp: ContextParallelRank, device: torch.device) -> None:
@@ -116,7 +114,7 @@ def join_group(cp: ContextParallelRank, device: torch.device) -> None:
 
 
 def parallelize(model: DiffusionFamily, size: int) -> None:
-    """Split `model`'s denoiser over the group (cache-dit Ulysses attention), and check every
+    """Split `model`'s denoisers over the group (cache-dit Ulysses attention), and check every
     call's token sequences before they are split."""
     from cache_dit import ParallelismConfig
     from cache_dit.distributed import enable_parallelism
@@ -124,8 +122,10 @@ def parallelize(model: DiffusionFamily, size: int) -> None:
     check_supported(model, size)
     # Before cache-dit's hooks: a sequence that does not split evenly is refused on every rank
     # alike (the same inputs everywhere), before any collective of that forward.
-    model.denoiser.register_forward_pre_hook(_sequence_check(model, size), with_kwargs=True)
-    enable_parallelism(model.denoiser, ParallelismConfig(ulysses_size=size))
+    for denoiser in model.denoisers:  # each expert of a two-expert model is split alike
+        denoiser.register_forward_pre_hook(_sequence_check(model, size), with_kwargs=True)
+        enable_parallelism(denoiser, ParallelismConfig(ulysses_size=size))
+    model.after_parallelize()
     logging.getLogger("cache_dit").setLevel(logging.WARNING)
 
 

@@ -160,12 +160,16 @@ def test_wan22_quantization_covers_both_experts():
     assert _steps(model, 2).frames[0].shape == (5, 32, 32, 3)
 
 
-def test_two_experts_are_refused_by_context_parallelism():
+def test_context_parallelism_takes_both_experts_and_refuses_hunyuan_video15():
     from genserve.multimodal_gen.context_parallel import check_supported
 
-    with pytest.raises(ValueError, match="switches between 2 denoisers"):
-        check_supported(load_model("tiny-wan22-a14b"), 2)
+    a14b = load_model("tiny-wan22-a14b")
+    check_supported(a14b, 2)  # both experts split (tests/diffusion/test_context_parallel.py)
+    assert all(n > 0 for n in a14b.expert_steps(4))  # that test's four steps use both
     check_supported(load_model("tiny-wan22-ti2v"), 2)
+    check_supported(load_model("tiny-ltx2"), 2)
+    with pytest.raises(ValueError, match="hunyuan-video-1.5\\) cannot be split"):
+        check_supported(load_model("tiny-hunyuan-video15"), 2)
 
 
 def test_hunyuan_video15_reports_steps_caches_and_restores_its_guider():

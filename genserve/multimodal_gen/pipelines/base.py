@@ -143,6 +143,11 @@ class DiffusionFamily(ABC):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """[1, C, F, h, w] unpacked latents -> images in [-1, 1], [1, 3, F, H, W]."""
 
+    def after_parallelize(self) -> None:
+        """Called once cache-dit has split the denoiser over the group (context_parallel.py):
+        what a family mends for the parts of its pipeline that were not split."""
+        return None
+
     def cp_sequence_lengths(self, kwargs: dict[str, Any]) -> dict[str, int]:
         """The token sequences of one denoiser call (its keyword arguments) that context
         parallelism splits over the ranks: name -> length."""

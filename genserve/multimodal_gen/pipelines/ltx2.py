@@ -30,11 +30,29 @@ class LTX2Family(DiffusionFamily):
     # cache-dit's LTX-2 adapter (1.5.3) replaces the transformer's forward with one that does
     # not take the `sigma` argument diffusers' LTX2Pipeline passes: no step cache.
     step_cache_kind = "none"
+    context_parallel = True
     spec_defaults = dict(
         size_factor=32, max_pixels=1920 * 1088, default_width=768, default_height=512,
         default_steps=30, default_guidance=3.0, max_steps=100, default_num_frames=121,
         frame_rule="8k+1", max_num_frames=257, default_fps=24,
     )
+
+    def after_parallelize(self) -> None:
+        # cache-dit's LTX-2 plan replaces the attention processor class's __call__ with one
+        # that reads each processor's `_cp_config`, which it sets only inside the transformer;
+        # the pipeline's text connectors use the same class and would fail on the missing
+        # attribute. None there means "not split", the path they should take.
+        from diffusers.models.transformers.transformer_ltx2 import LTX2AudioVideoAttnProcessor
+
+        if not hasattr(LTX2AudioVideoAttnProcessor, "_cp_config"):
+            LTX2AudioVideoAttnProcessor._cp_config = None
+
+    def cp_sequence_lengths(self, kwargs: dict[str, Any]) -> dict[str, int]:
+        # cache-dit's plan splits the video and audio latents and both prompts' embeddings.
+        names = {"hidden_states": "video latent", "audio_hidden_states": "audio latent",
+                 "encoder_hidden_states": "prompt", "audio_encoder_hidden_states": "audio prompt"}
+        return {label: kwargs[name].shape[1] for name, label in names.items()
+                if isinstance(kwargs.get(name), torch.Tensor)}
 
     def checkpoint_defaults(self) -> dict[str, Any]:
         p = self.pipe
