@@ -15,6 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from genserve import Engine
+from genserve.srt.sampling import SamplingParams
+from genserve.srt.tokenizer_manager import make_tokenized_req
 from tests.srt.test_speculative import repetitive
 from tests.srt.test_speculative_eagle import (
     GREEDY,
@@ -314,3 +316,24 @@ def test_malformed_heads_are_refused(target, tmp_path):
     wild = write_eagle3_head(tmp_path / "wild", target, d2t=torch.full((96,), 200))
     with pytest.raises(ValueError, match="d2t maps draft ids outside the target's 256 tokens"):
         eagle_engine(target, wild)
+
+
+def test_plain_decode_steps_keep_their_features_under_decode_graphs(target, head):
+    """With --enable-cuda-graph (its eager capture here), the steps a request decodes plainly
+    (its random drafts fail, so it backs off) still leave its features for the head, so it
+    can draft again later."""
+    params = SamplingParams.from_dict({**GREEDY, "max_new_tokens": 100})
+    engine = eagle_engine(
+        target, head, speculative_num_steps=2, enable_cuda_graph=True, cuda_graph_capture="eager"
+    )
+    sched = engine.scheduler
+    for i in range(2):
+        sched.add_request(make_tokenized_req(repetitive(70 + i, 30), params, rid=f"g{i}"))
+    while sched.has_work():
+        sched.step()
+        for req in sched.running:
+            start, feats = sched.spec.feats[req.row]
+            assert start + feats.shape[0] >= req.kv_len
+    stats = sched.stats
+    assert stats["decode_steps"] > 2 * stats["spec_verify_steps"] > 0  # plain steps too
+    engine.check_integrity()
