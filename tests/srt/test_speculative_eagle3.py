@@ -64,9 +64,11 @@ def write_eagle3_head(
     d2t: torch.Tensor | None = None,
     drop: tuple[str, ...] = (),
     fc_width: int | None = None,
+    max_positions: int | None = None,
 ) -> Path:
     """A random EAGLE-3 head for `target` as SpecForge saves one. d2t: the draft -> target
-    offsets (default: a random sorted subset of the vocabulary); drop: tensors left out."""
+    offsets (default: a random sorted subset of the vocabulary); drop: tensors left out;
+    max_positions: its config's max_position_embeddings (default: the target's)."""
     cfg = json.loads((target / "config.json").read_text())
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     heads, kv, inter = (
@@ -112,6 +114,8 @@ def write_eagle3_head(
         "draft_vocab_size": draft_vocab,
         "tie_word_embeddings": False,
     }
+    if max_positions is not None:
+        head_cfg["max_position_embeddings"] = max_positions
     if aux is not None:
         head_cfg["eagle_config"] = {
             "eagle_aux_hidden_state_layer_ids": list(aux),
@@ -127,7 +131,9 @@ def write_eagle3_head(
 
 @pytest.fixture(scope="module")
 def head(target, tmp_path_factory) -> Path:
-    return write_eagle3_head(tmp_path_factory.mktemp("eagle3-random"), target)
+    # Trained for fewer positions than the target serves (published heads say 2048), as the
+    # longer requests below reach past them.
+    return write_eagle3_head(tmp_path_factory.mktemp("eagle3-random"), target, max_positions=64)
 
 
 def reference(

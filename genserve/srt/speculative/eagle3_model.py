@@ -196,7 +196,10 @@ class Eagle3Head(CausalLM):
         layout: Eagle3Layout,
         shared: tuple[nn.Module, nn.Module],
         kernels: ModelKernels,
+        positions: int | None = None,
     ) -> None:
+        """positions: rows of the rotary table (default: the config's
+        max_position_embeddings)."""
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
@@ -207,6 +210,7 @@ class Eagle3Head(CausalLM):
             cfg.rope_scaling,
             kernel=kernels.rotary,
             rotary_dim=cfg.rotary_dim,
+            table_rows=positions,
         )
         self.fc = nn.Linear(len(layout.aux_layers) * layout.target_hidden, h, bias=layout.fc_bias)
         self.midlayer = Eagle3DecoderLayer(cfg, rotary, kernels)

@@ -140,6 +140,7 @@ class EagleHead(CausalLM):
         own_head: bool,
         fc_bias: bool,
         kernels: ModelKernels,
+        positions: int | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
@@ -151,6 +152,7 @@ class EagleHead(CausalLM):
             cfg.rope_scaling,
             kernel=kernels.rotary,
             rotary_dim=cfg.rotary_dim,
+            table_rows=positions,
         )
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
         self.layers = nn.ModuleList(
@@ -201,10 +203,13 @@ class EagleRunner:
         model = target.model
         cfg = ckpt.config
         shared = (model.embed_tokens, model.lm_head)
+        # Heads are often trained with a shorter max_position_embeddings than the target
+        # serves (2048): the rotary table covers every position the target's KV can reach.
+        positions = max(cfg.max_position_embeddings, target.context_length)
         head: EagleHead | Eagle3Head
         with torch.device("meta"):
             if ckpt.eagle3 is not None:
-                head = Eagle3Head(cfg, ckpt.eagle3, shared, target.kernels)
+                head = Eagle3Head(cfg, ckpt.eagle3, shared, target.kernels, positions)
             else:
                 head = EagleHead(
                     cfg,
@@ -213,6 +218,7 @@ class EagleRunner:
                     "lm_head.weight" in ckpt.names,
                     "fc.bias" in ckpt.names,
                     target.kernels,
+                    positions,
                 )
         head = head.to(self.dtype).to_empty(device=self.device)
         head.rebuild_buffers(self.device)
