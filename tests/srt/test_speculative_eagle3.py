@@ -102,6 +102,9 @@ def write_eagle3_head(
         "midlayer.post_attention_layernorm.weight": norm(),
         "norm.weight": norm(),
         "lm_head.weight": rand(draft_vocab, h) * 5,
+        # SpecForge saves the (frozen) embedding too; a head as wide as its target uses the
+        # target's, as SGLang does, so this copy must go unread.
+        "embed_tokens.weight": rand(vocab, h),
         "d2t": d2t.to(torch.int64),
     }
     ids = torch.arange(draft_vocab) + d2t
@@ -294,6 +297,37 @@ def test_an_agreeing_head_gets_its_drafts_accepted(target, tmp_path):
     assert stats["spec_accepted_tokens"] > 0.9 * stats["spec_draft_tokens"] > 0
     assert stats["decode_steps"] < 0.6 * stats["generated_tokens"]
     engine.check_integrity()
+
+
+def test_default_auxiliary_layers():
+    """Without eagle_config, a head reads the outputs of layers 1, n/2 - 1 and n - 4, and its
+    fc is 3 * hidden wide."""
+    import transformers as tf
+
+    from genserve.srt.model_config import ModelConfig
+    from genserve.srt.speculative.eagle3_model import resolve_eagle3_layout
+
+    hf = tf.LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ).to_dict()
+    hf["architectures"] = ["LlamaForCausalLM"]
+    target = ModelConfig.from_dict(hf)
+    head = ModelConfig.from_dict({**hf, "num_hidden_layers": 1})
+    shapes = {
+        "fc.weight": (64, 192),
+        "midlayer.self_attn.q_proj.weight": (64, 128),
+        "lm_head.weight": (100, 64),
+        "d2t": (100,),
+    }
+    layout = resolve_eagle3_layout("head", {"draft_vocab_size": 100}, head, target, shapes)
+    assert layout.aux_layers == (1, 15, 28)
+    assert (layout.draft_vocab, layout.own_head, layout.has_d2t) == (100, True, True)
+    assert not layout.own_embed
 
 
 def test_malformed_heads_are_refused(target, tmp_path):
