@@ -259,6 +259,7 @@ class EagleRunner:
 
 
 def _check_d2t(head: Eagle3Head, path: str) -> None:
+    """ValueError naming the flag when a loaded d2t sends a draft id outside the vocabulary."""
     if head.d2t is None:
         return
     vocab = head.config.vocab_size
