@@ -94,8 +94,9 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
                    help="Speculative decoding. ngram: draft tokens by prompt lookup (the "
                         "request's own prompt and output); draft: a smaller model with the "
                         "same tokenizer proposes them (--speculative-draft-model-path); "
-                        "eagle: an EAGLE-1/2 head (LlamaForCausalLMEagle folder at "
-                        "--speculative-draft-model-path) drafts from the target's features. The "
+                        "eagle: an EAGLE-1/2 or EAGLE-3 head (LlamaForCausalLMEagle or "
+                        "LlamaForCausalLMEagle3 folder at --speculative-draft-model-path) "
+                        "drafts from the target's features. The "
                         "target verifies them in one forward; greedy output is unchanged, "
                         "sampled output keeps its distribution.")
     g.add_argument("--speculative-draft-model-path", default=None, metavar="PATH",

@@ -150,13 +150,14 @@ class DecodeGraphRunner:
 
     def can_run(self, fb: ForwardBatch) -> bool:
         """A plain decode batch that fits a bucket (no adapters, images or M-RoPE positions,
-        which the static buffers do not hold)."""
+        which the static buffers do not hold, and no EAGLE features to capture)."""
         return (
             fb.mode is ForwardMode.DECODE
             and fb.batch_size <= self.max_bs
             and fb.lora is None
             and fb.image_embeds is None
             and fb.mrope_positions is None
+            and not fb.capture_hidden
         )
 
     def bucket_for(self, batch_size: int) -> int:

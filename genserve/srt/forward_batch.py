@@ -58,8 +58,9 @@ class ForwardBatch:
     lora: LoRABatch | None = None
     # EAGLE speculation (`speculative/eagle.py`): `capture_hidden` asks a Llama-family target
     # to leave the normed final hidden states of every new token in `hidden_out` [tokens,
-    # hidden]; an EAGLE head reads the target's features from `hidden_in` [tokens, hidden] and
-    # leaves its own output features of the `logits_indices` rows in `hidden_out`.
+    # hidden] (for an EAGLE-3 head: some layers' outputs, [tokens, k * hidden]); an EAGLE head
+    # reads the target's features from `hidden_in` [tokens, hidden] and leaves its own output
+    # features of the `logits_indices` rows in `hidden_out`.
     capture_hidden: bool = False
     hidden_in: torch.Tensor | None = None
     hidden_out: torch.Tensor | None = None

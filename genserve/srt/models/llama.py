@@ -177,6 +177,9 @@ class LlamaForCausalLM(CausalLM):
     qkv_bias: ClassVar[bool | None] = None
     qk_norm: ClassVar[bool | None] = None
     supports_tp = True
+    # The layers whose outputs (hidden + residual, before any norm), concatenated, a capturing
+    # forward leaves in `fb.hidden_out` for an EAGLE-3 head; () leaves the normed last layer's.
+    aux_hidden_layers: tuple[int, ...] = ()
 
     def __init__(
         self, cfg: ModelConfig, kernels: ModelKernels = _DEFAULT_KERNELS, tp: TPGroup = _SINGLE
@@ -225,9 +228,15 @@ class LlamaForCausalLM(CausalLM):
         names (what lm_head reads; a decoder embedder's last-token pooling)."""
         hidden = self.embed(fb.input_ids)
         residual = None
-        for layer in self.layers:
+        aux = self.aux_hidden_layers if fb.capture_hidden else ()
+        outputs = []
+        for i, layer in enumerate(self.layers):
             hidden, residual = layer(fb.positions, hidden, residual, fb)
-        if fb.capture_hidden:  # an EAGLE head drafts from every token's features
+            if i in aux:
+                outputs.append(hidden + residual)
+        if aux:  # EAGLE-3: the chosen layers' outputs of every token
+            fb.hidden_out = torch.cat(outputs, dim=-1)
+        elif fb.capture_hidden:  # EAGLE-1/2: every token's normed last-layer output
             fb.hidden_out, _ = self.norm(hidden, residual)
             return fb.hidden_out.index_select(0, fb.logits_indices)
         # Only the rows whose logits are sampled go through the final norm and lm_head.

@@ -1,11 +1,13 @@
-"""EAGLE proposals (`--speculative-algorithm eagle`): a draft head (`eagle_model.py`) reads the
-target's features and proposes each speculating request's next k tokens greedily, one head
-forward per token, all such requests batched (chain drafting: one candidate per step).
+"""EAGLE proposals (`--speculative-algorithm eagle`): a draft head (`eagle_model.py`, EAGLE-3's in
+`eagle3_model.py`) reads the target's features and proposes each speculating request's next k
+tokens greedily, one head forward per token, all such requests batched (chain drafting: one
+candidate per step).
 
-The target's runner captures its features (normed last-layer hidden states) in every forward
-while EAGLE is on; they are kept per target row, for positions the head has not consumed yet
-(hidden_size values per token; a request that cannot speculate drops them at each drafting
-round, and all go when the request leaves its row).
+The target's runner captures its features in every forward while EAGLE is on (EAGLE-1/2: the
+normed last-layer hidden states; EAGLE-3: a few layers' outputs, which the head's `fc` maps to
+its width as they arrive); they are kept per target row, for positions the head has not
+consumed yet (the head's hidden_size values per token; a request that cannot speculate drops
+them at each drafting round, and all go when the request leaves its row).
 Per request, `EagleState.done` counts the positions with head KV: entry i reads token i + 1 and
 the target's feature f_i, and sits in the slot of the target's position i. Each round, the head
 first catches up with the entries the target's KV got since (positions done .. kv_len - 1, an
@@ -71,8 +73,8 @@ class EagleProposer:
     def capture(self, fb: ForwardBatch) -> None:
         """Keep each request's new features after a target forward; a forward that starts
         before what is kept (after rejected drafts) replaces the tail."""
-        out = fb.hidden_out
-        assert out is not None
+        assert fb.hidden_out is not None
+        out = self.head.features(fb.hidden_out)
         starts = fb.extend_prefix_lens_cpu
         begin = 0
         for row, start, n in zip(
@@ -141,9 +143,8 @@ class EagleProposer:
         fb = t.build_forward_batch(
             ForwardMode.EXTEND, [p.req.row for p in plan], ids, [p.start for p in plan], lens, locs
         )
-        logits = self.head.forward(fb, torch.cat([p.feats for p in plan]))
+        last = self.head.draft(fb, torch.cat([p.feats for p in plan])).tolist()
         feats = fb.hidden_out
-        last = logits.argmax(dim=-1).tolist()
         self.forwards += 1
         for j, p in enumerate(plan):
             p.req.spec_state.done = p.start + lens[j]
@@ -178,7 +179,7 @@ class EagleProposer:
                 torch.stack([p.slots[step - 1] for p in batch]),
             )
             index = torch.tensor(rows, dtype=torch.int64, device=feats.device)
-            nxt = self.head.forward(fb, feats.index_select(0, index)).argmax(dim=-1).tolist()
+            nxt = self.head.draft(fb, feats.index_select(0, index)).tolist()
             feats[index] = fb.hidden_out  # each row's own output feeds its next step
             self.forwards += 1
             for p, token in zip(batch, nxt, strict=True):

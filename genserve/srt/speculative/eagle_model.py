@@ -13,6 +13,9 @@ config whose `num_hidden_layers` counts the head's layers) and safetensors named
 `model.` prefix: `fc.weight` (and `fc.bias`), `layers.N.*`; `embed_tokens.weight` and
 `lm_head.weight` when the head has its own, else it shares the target's.
 
+An EAGLE-3 head (`LlamaForCausalLMEagle3`) is `eagle3_model.py`'s; this module reads both
+kinds of folder and runs either head.
+
 The head's KV lives in a pool of its own with the target pool's size: its entry for position i
 sits in the slot the target's KV of position i has, so the target's req_to_token rows, prefix
 cache and free list serve the head too (SGLang's layout).
@@ -39,9 +42,11 @@ from genserve.srt.models.base import CausalLM, ModelKernels
 from genserve.srt.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from genserve.srt.models.registry import get_model_class
 from genserve.srt.server_args import EngineArgs
+from genserve.srt.speculative.eagle3_model import ARCHITECTURE as EAGLE3
+from genserve.srt.speculative.eagle3_model import Eagle3Head, Eagle3Layout, resolve_eagle3_layout
 
 FLAG = "--speculative-draft-model-path"
-ARCHITECTURES = ("LlamaForCausalLMEagle",)
+ARCHITECTURES = ("LlamaForCausalLMEagle", EAGLE3)
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class EagleCheckpoint:
     config: ModelConfig  # the head's layers, read as a Llama config
     names: frozenset[str]  # the checkpoint's tensor names
     kv_bytes_per_token: int
+    eagle3: Eagle3Layout | None = None  # an EAGLE-3 head's layout (None: EAGLE-1/2)
 
 
 def resolve_eagle_checkpoint(
@@ -95,6 +101,14 @@ def resolve_eagle_checkpoint(
         files = safetensors_files(folder)
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"{FLAG} {path!r}: {exc}") from exc
+    entries = [e for f in files for e in read_safetensors_header(f)]
+    names = frozenset(e.name for e in entries)
+    elt = torch.tensor([], dtype=dtype).element_size()
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * elt
+    if arch == EAGLE3:
+        shapes = {e.name.removeprefix("model."): e.shape for e in entries}
+        layout = resolve_eagle3_layout(f"{FLAG} {path!r}", hf, config, target, shapes)
+        return EagleCheckpoint(path, folder, config, names, kv, layout)
     if config.hidden_size != target.hidden_size:
         raise ValueError(
             f"{FLAG} {path!r} has hidden size {config.hidden_size}, the target "
@@ -106,11 +120,8 @@ def resolve_eagle_checkpoint(
             f"target model {target.vocab_size}; the head must be trained for "
             "this target"
         )
-    names = frozenset(e.name for f in files for e in read_safetensors_header(f))
     if "fc.weight" not in names:
         raise ValueError(f"{FLAG} {path!r} has no fc.weight: not an EAGLE head")
-    elt = torch.tensor([], dtype=dtype).element_size()
-    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * elt
     return EagleCheckpoint(path, folder, config, names, kv)
 
 
@@ -129,6 +140,7 @@ class EagleHead(CausalLM):
         own_head: bool,
         fc_bias: bool,
         kernels: ModelKernels,
+        positions: int | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
@@ -140,6 +152,7 @@ class EagleHead(CausalLM):
             cfg.rope_scaling,
             kernel=kernels.rotary,
             rotary_dim=cfg.rotary_dim,
+            table_rows=positions,
         )
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
         self.layers = nn.ModuleList(
@@ -157,6 +170,13 @@ class EagleHead(CausalLM):
 
     def tie_weights(self) -> None:
         """The head never ties: a shared lm_head is the target's."""
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's captured features as the head reads them (as they are)."""
+        return hidden
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids  # the head's vocabulary is the target's
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -182,19 +202,32 @@ class EagleRunner:
         self.device, self.dtype = target.device, target.dtype
         model = target.model
         cfg = ckpt.config
+        shared = (model.embed_tokens, model.lm_head)
+        # Heads are often trained with a shorter max_position_embeddings than the target
+        # serves (2048): the rotary table covers every position the target's KV can reach.
+        positions = max(cfg.max_position_embeddings, target.context_length)
+        head: EagleHead | Eagle3Head
         with torch.device("meta"):
-            head = EagleHead(
-                cfg,
-                (model.embed_tokens, model.lm_head),
-                "embed_tokens.weight" in ckpt.names,
-                "lm_head.weight" in ckpt.names,
-                "fc.bias" in ckpt.names,
-                target.kernels,
-            )
+            if ckpt.eagle3 is not None:
+                head = Eagle3Head(cfg, ckpt.eagle3, shared, target.kernels, positions)
+            else:
+                head = EagleHead(
+                    cfg,
+                    shared,
+                    "embed_tokens.weight" in ckpt.names,
+                    "lm_head.weight" in ckpt.names,
+                    "fc.bias" in ckpt.names,
+                    target.kernels,
+                    positions,
+                )
         head = head.to(self.dtype).to_empty(device=self.device)
         head.rebuild_buffers(self.device)
-        head._shared = (model.embed_tokens, model.lm_head)  # to_empty left them alone
+        head._shared = shared  # to_empty left them alone
         load_checkpoint(head, ckpt.folder)
+        if isinstance(head, Eagle3Head):
+            _check_d2t(head, ckpt.path)
+            # The target's forwards leave these layers' outputs in `hidden_out` from now on.
+            model.aux_hidden_layers = ckpt.eagle3.aux_layers  # type: ignore[union-attr]
         self.model = head
         self.num_layers = cfg.num_hidden_layers
         self.token_to_kv_pool = create_kv_pool(
@@ -215,3 +248,21 @@ class EagleRunner:
         fb.capture_hidden, fb.hidden_in = False, hidden_in
         self.attn_backend.init_forward_metadata(fb)
         return self.model(fb)
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the head keeps of a target forward's `hidden_out` [tokens, hidden]."""
+        return self.model.features(hidden)
+
+    def draft(self, fb: ForwardBatch, hidden_in: torch.Tensor) -> torch.Tensor:
+        """The head's greedy token (a target id) for each `logits_indices` row."""
+        return self.model.target_ids(self.forward(fb, hidden_in).argmax(dim=-1))
+
+
+def _check_d2t(head: Eagle3Head, path: str) -> None:
+    """ValueError naming the flag when a loaded d2t sends a draft id outside the vocabulary."""
+    if head.d2t is None:
+        return
+    vocab = head.config.vocab_size
+    ids = head.target_ids(torch.arange(head.d2t.shape[0], device=head.d2t.device))
+    if bool(((ids < 0) | (ids >= vocab)).any()):
+        raise ValueError(f"{FLAG} {path!r}: d2t maps draft ids outside the target's {vocab} tokens")
