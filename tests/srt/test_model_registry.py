@@ -20,6 +20,7 @@ from genserve.srt.models.registry import (
 VISION_LANGUAGE = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                    "LlavaForConditionalGeneration"}
 VISION_LANGUAGE |= {"Qwen3VLForConditionalGeneration", "Gemma3ForConditionalGeneration"}
+VISION_LANGUAGE |= {"Qwen3VLMoeForConditionalGeneration"}
 
 
 def test_every_registered_architecture_is_a_causal_lm():

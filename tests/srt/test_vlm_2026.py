@@ -1,9 +1,10 @@
-"""Qwen3-VL (DeepStack, interleaved M-RoPE) and Gemma 3 with its SigLIP tower through the
-Engine: greedy tokens equal to Hugging Face transformers with images batched beside a text-only
-prompt, the image-aware prefix cache, and a clear refusal of --tp."""
+"""Qwen3-VL (DeepStack, interleaved M-RoPE), its MoE variant and Gemma 3 with its SigLIP tower
+through the Engine: greedy tokens equal to Hugging Face transformers with images batched beside a
+text-only prompt, the image-aware prefix cache, and a clear refusal of --tp."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -15,7 +16,12 @@ from genserve.srt.model_config import ModelConfig
 from genserve.srt.model_runner import check_tensor_parallel, load_model
 from genserve.srt.models.base import ModelKernels
 from tests.srt.vlm_models import hf_reference, png_bytes
-from tests.srt.vlm_models_2026 import gemma3_reference, make_tiny_gemma3, make_tiny_qwen3_vl
+from tests.srt.vlm_models_2026 import (
+    QWEN3_VL_MOE,
+    gemma3_reference,
+    make_tiny_gemma3,
+    make_tiny_qwen3_vl,
+)
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
@@ -52,10 +58,18 @@ def qwen3_vl(tmp_path_factory):
     return make_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl"))
 
 
-def test_qwen3_vl_greedy_equal_to_hf_batched_with_text(qwen3_vl):
-    engine = Engine(str(qwen3_vl), dtype="float32", max_total_tokens=2048)
-    prompts, a = greedy_batch_with_text(engine, (96, 96), lambda ids, images: hf_reference(
-        qwen3_vl, ids, images, 24))
+@pytest.fixture(scope="module")
+def qwen3_vl_moe(tmp_path_factory):
+    return make_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl_moe"), moe=QWEN3_VL_MOE)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_qwen3_vl_greedy_equal_to_hf_batched_with_text(family, request):
+    folder = request.getfixturevalue(family)
+    engine = Engine(str(folder), dtype="float32", max_total_tokens=2048)
+    prompts, a = greedy_batch_with_text(
+        engine, (96, 96), lambda ids, images: hf_reference(folder, ids, images, 24)
+    )
     assert engine.server_info()["multimodal"]["images_encoded"] == 3
     # Same image and leading text: the image's KV comes from the prefix cache, and the
     # embeddings (with their DeepStack levels) are not encoded again.
@@ -68,22 +82,67 @@ def test_qwen3_vl_greedy_equal_to_hf_batched_with_text(qwen3_vl):
     image_end = first.index(engine.vision.rules.image_token_id) + 6  # 64x96 -> 2x3 tokens
     assert again["meta_info"]["cached_tokens"] >= image_end
     assert engine.server_info()["multimodal"]["images_encoded"] == 3
-    cold = hf_reference(qwen3_vl, chat_ids(engine, [None, "describe this picture ."]), [a], 24)
+    cold = hf_reference(folder, chat_ids(engine, [None, "describe this picture ."]), [a], 24)
     assert again["output_ids"] == cold
     engine.check_integrity()
 
 
-def test_qwen3_vl_chunked_prefill_through_an_image(qwen3_vl):
-    whole = Engine(str(qwen3_vl), dtype="float32", max_total_tokens=2048, disable_radix_cache=True)
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_qwen3_vl_chunked_prefill_through_an_image(family, request):
+    folder = request.getfixturevalue(family)
+    whole = Engine(str(folder), dtype="float32", max_total_tokens=2048, disable_radix_cache=True)
     ids = chat_ids(whole, ["describe", None, "and", None, "?"])
     images = [png_bytes(128, 128, 3), png_bytes(160, 96, 2)]  # 16 and 15 tokens
     ref = whole.generate(input_ids=ids, image_data=images, sampling_params=GREEDY)
     # Chunks of 16 cut through both images: DeepStack rows must follow the spliced rows.
-    chunked = Engine(str(qwen3_vl), dtype="float32", max_total_tokens=2048, chunked_prefill_size=16)
+    chunked = Engine(str(folder), dtype="float32", max_total_tokens=2048, chunked_prefill_size=16)
     out = chunked.generate(input_ids=ids, image_data=images, sampling_params=GREEDY)
     assert out["output_ids"] == ref["output_ids"]
     assert chunked.scheduler.stats["prefill_batches"] >= 3
     chunked.check_integrity()
+
+
+def test_qwen3_vl_moe_with_the_triton_moe_kernel(qwen3_vl_moe):
+    """The decoder's experts through the Triton fused-MoE kernel (Triton's interpreter on a
+    CPU) give transformers' greedy tokens too."""
+    engine = Engine(str(qwen3_vl_moe), dtype="float32", max_total_tokens=1024, moe_kernel="triton")
+    ids = chat_ids(engine, [None, "what is in the image ?"])
+    image = png_bytes(64, 96, 1)
+    out = engine.generate(input_ids=ids, image_data=[image], sampling_params=GREEDY)
+    assert out["output_ids"] == hf_reference(qwen3_vl_moe, ids, [image], 24)
+    engine.check_integrity()
+
+
+def test_qwen3_vl_moe_reads_the_released_expert_layout(qwen3_vl_moe, tmp_path):
+    """The released checkpoints store the stacked experts transposed ([experts, hidden,
+    2 * inter] and [experts, inter, hidden]; transformers 5 saves [experts, 2 * inter, hidden]
+    and [experts, hidden, inter]): both load into the same model, and a stacked tensor of
+    neither shape is refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    for f in qwen3_vl_moe.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    stacked = ("experts.gate_up_proj", "experts.down_proj")
+    weights = load_file(str(qwen3_vl_moe / "model.safetensors"))
+    released = {
+        k: v.transpose(1, 2).contiguous() if k.endswith(stacked) else v for k, v in weights.items()
+    }
+    save_file(released, str(tmp_path / "model.safetensors"))
+    config = ModelConfig.from_folder(qwen3_vl_moe)
+
+    def load(folder):
+        return load_model(config, folder, torch.device("cpu"), torch.float32, ModelKernels())
+
+    saved, release = load(qwen3_vl_moe).state_dict(), load(tmp_path).state_dict()
+    assert saved.keys() == release.keys()
+    assert all(torch.equal(saved[k], release[k]) for k in saved)
+
+    name = "model.language_model.layers.2.mlp.experts.gate_up_proj"
+    released[name] = released[name][:, :, :-1].contiguous()
+    save_file(released, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"weight '{name}' has shape \\(4, 64, 95\\)"):
+        load(tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +152,9 @@ def gemma3(tmp_path_factory):
 
 def test_gemma3_greedy_equal_to_hf_batched_with_text(gemma3):
     engine = Engine(str(gemma3), dtype="float32", max_total_tokens=2048)
-    prompts, a = greedy_batch_with_text(engine, (40, 40), lambda ids, images: gemma3_reference(
-        gemma3, ids, images))
+    prompts, a = greedy_batch_with_text(
+        engine, (40, 40), lambda ids, images: gemma3_reference(gemma3, ids, images)
+    )
     # The same image after the same text: its 16 tokens come from the prefix cache.
     ids = chat_ids(engine, [None, "describe this picture ."])
     again = engine.generate(input_ids=ids, image_data=[a], sampling_params=GREEDY)
@@ -118,7 +178,7 @@ def test_gemma3_prefill_chunks_never_split_an_image(gemma3):
     chunked.check_integrity()
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe", "gemma3"])
 def test_tensor_parallel_is_refused_clearly(family, request):
     folder = request.getfixturevalue(family)
     config = ModelConfig.from_folder(folder)
@@ -130,7 +190,8 @@ def test_tensor_parallel_is_refused_clearly(family, request):
 _NO_TORCH = """
 import sys
 from genserve.srt.models.registry import get_processor_class
-for arch in ("Qwen3VLForConditionalGeneration", "Gemma3ForConditionalGeneration"):
+for arch in ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+             "Gemma3ForConditionalGeneration"):
     assert get_processor_class({"architectures": [arch]}) is not None, arch
 assert "torch" not in sys.modules, "torch was imported"
 """
@@ -141,7 +202,7 @@ def test_processors_resolve_without_importing_torch():
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe", "gemma3"])
 def test_loads_through_the_common_path_in_the_serving_dtype(family, request):
     folder = request.getfixturevalue(family)
     model = load_model(

@@ -18,9 +18,21 @@ def _scale_vision_heads(model: torch.nn.Module) -> None:
                 p.normal_(std=0.3)
 
 
-def make_tiny_qwen3_vl(folder: Path, seed: int = 0) -> Path:
+# Qwen3-VL-MoE's decoder: 4 experts, 2 per token, layer 1 dense (`mlp_only_layers`). No
+# expert matrix is square (2 * 48 != 64, 48 != 64), so the two stacked layouts differ in shape.
+QWEN3_VL_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,
+    decoder_sparse_step=1,
+    mlp_only_layers=[1],
+)
+
+
+def make_tiny_qwen3_vl(folder: Path, seed: int = 0, moe: dict | None = None) -> Path:
     """A 3-layer Qwen3-VL with a 3-block tower whose blocks 0 and 1 feed DeepStack, and an
-    interleaved M-RoPE section that gives every axis two frequencies."""
+    interleaved M-RoPE section that gives every axis two frequencies. `moe` (the decoder's
+    expert fields, e.g. QWEN3_VL_MOE) makes it a Qwen3-VL-MoE."""
     import transformers as tf
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -61,7 +73,9 @@ def make_tiny_qwen3_vl(folder: Path, seed: int = 0) -> Path:
         deepstack_visual_indexes=[0, 1],
         initializer_range=0.2,
     )
-    cfg = tf.Qwen3VLConfig(
+    text.update(moe or {})
+    cfg_cls = tf.Qwen3VLMoeConfig if moe else tf.Qwen3VLConfig
+    cfg = cfg_cls(
         text_config=text,
         vision_config=vision,
         image_token_id=ids["<|image_pad|>"],
@@ -72,7 +86,8 @@ def make_tiny_qwen3_vl(folder: Path, seed: int = 0) -> Path:
         eos_token_id=ids["<|im_end|>"],
     )
     torch.manual_seed(seed)
-    model = tf.Qwen3VLForConditionalGeneration(cfg)
+    model_cls = tf.Qwen3VLMoeForConditionalGeneration if moe else tf.Qwen3VLForConditionalGeneration
+    model = model_cls(cfg)
     _scale_vision_heads(model)
     model.save_pretrained(folder, safe_serialization=True)
     Qwen2VLImageProcessorPil(

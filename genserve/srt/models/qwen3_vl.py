@@ -15,7 +15,7 @@ image slices all of them by the same rows.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -93,6 +93,10 @@ class Qwen3VLLanguageModel(ImageSplicingLM):
 class Qwen3VLForConditionalGeneration(VisionLanguageModel):
     uses_mrope = True
     rotary_kernels = ("torch",)  # M-RoPE has a torch implementation only
+    # What the MoE variant (`qwen3_vl_moe.py`) changes: the HF config class that reads
+    # config.json, and the decoder. The vision tower is the same module in both.
+    hf_config_class: ClassVar[str] = "Qwen3VLConfig"
+    language_model_class: ClassVar[type[Qwen3VLLanguageModel]] = Qwen3VLLanguageModel
 
     def __init__(self, cfg: ModelConfig, kernels: ModelKernels = _DEFAULT_KERNELS) -> None:
         super().__init__()
@@ -100,10 +104,11 @@ class Qwen3VLForConditionalGeneration(VisionLanguageModel):
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
         self.config = cfg
-        hf_cfg = transformers.Qwen3VLConfig.from_dict(dict(cfg.multimodal or {}))
+        hf_config = getattr(transformers, self.hf_config_class)
+        hf_cfg = hf_config.from_dict(dict(cfg.multimodal or {}))
         rope = hf_cfg.text_config.rope_parameters or {}
         section = list(rope.get("mrope_section") or [24, 20, 20])
-        self.language_model = Qwen3VLLanguageModel(cfg, section, kernels)
+        self.language_model = self.language_model_class(cfg, section, kernels)
         self.visual = Qwen3VLVisionModel._from_config(hf_cfg.vision_config)
 
     # ---- model runner hooks -----------------------------------------------------------------

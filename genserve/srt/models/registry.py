@@ -52,6 +52,9 @@ _MODELS: dict[str, ModelEntry] = {
     "Qwen3VLForConditionalGeneration": ModelEntry(
         "qwen3_vl", "Qwen3VLForConditionalGeneration", "qwen3_vl",
         processor="qwen2_vl.Qwen2VLProcessor"),
+    "Qwen3VLMoeForConditionalGeneration": ModelEntry(
+        "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe",
+        processor="qwen2_vl.Qwen2VLProcessor"),
     "Gemma3ForConditionalGeneration": ModelEntry(
         "gemma3_vision", "Gemma3ForConditionalGeneration", "gemma3",
         processor="gemma3.Gemma3Processor"),
