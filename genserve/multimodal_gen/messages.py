@@ -188,7 +188,10 @@ class ModelSpec:
     square_only: bool = False  # width must equal height
     native_size: str | None = None  # drawn at this size; larger sizes are upscaled (bilinear)
     prompt_grammar: str | None = None  # the prompts the model understands, when it is narrow
-    max_reference_images: int = 0  # reference images a request may bring (IMAGE_INPUT_TASKS)
+    # Reference images a request brings: it must for IMAGE_INPUT_TASKS; a text-to-image model
+    # with a count here may (FLUX.2 edits from references on its one pipeline).
+    max_reference_images: int = 0
+    min_reference_side: int = 0  # pixels each side of a reference image needs at least
     lora_adapters: tuple[str, ...] = ()  # LoRA adapters loaded at start
     scheduler: tuple[tuple[str, Any], ...] = ()  # the checkpoint's scheduler: class, settings
     step_cache: bool = True  # the denoiser supports the step cache
@@ -203,9 +206,10 @@ class ModelSpec:
             raise ValueError("size_factor and max_pixels must be positive")
         if not self.min_steps <= self.default_steps <= self.max_steps:
             raise ValueError("default_steps must lie in [min_steps, max_steps]")
-        if (self.task in IMAGE_INPUT_TASKS) != (self.max_reference_images > 0):
-            raise ValueError(f"a {self.task} model takes reference images exactly when its task "
-                             f"is one of {IMAGE_INPUT_TASKS}")
+        if self.task in IMAGE_INPUT_TASKS and self.max_reference_images < 1:
+            raise ValueError(f"a {self.task} model needs max_reference_images >= 1")
+        if self.task not in (*IMAGE_INPUT_TASKS, TEXT_TO_IMAGE) and self.max_reference_images:
+            raise ValueError(f"a {self.task} model takes no reference images")
 
     @property
     def is_video(self) -> bool:
@@ -241,7 +245,7 @@ class ModelSpec:
         if self.streaming:
             card["streaming"] = True
             card["chunk_frames"] = self.default_num_frames
-        if self.task in IMAGE_INPUT_TASKS:
+        if self.max_reference_images:
             card["max_reference_images"] = self.max_reference_images
         if self.supports_image_to_image:
             card["image_to_image"] = True

@@ -114,19 +114,24 @@ def _check_conditions(req: DiffusionRequest, spec: ModelSpec) -> tuple[int, int]
     size (None without images)."""
     images, mask = req.reference_images, req.mask_image
     if spec.task not in IMAGE_INPUT_TASKS:
-        if images:
+        if images and not spec.max_reference_images:
             raise ValueError(f"model {spec.name} is a {spec.task} model and takes no reference "
                              "image; use an image-edit, inpainting or image-to-video model")
         if mask is not None:
             raise ValueError(f"model {spec.name} does not inpaint (it takes no mask); use an "
                              "inpainting model such as tiny-flux-fill")
-        return None
+        if not images:
+            return None  # plain text-to-image
     if not images:
         raise ValueError(f"model {spec.name} ({spec.task}) needs a reference image")
     if len(images) > spec.max_reference_images:
         raise ValueError(f"model {spec.name} takes at most {spec.max_reference_images} "
                          f"reference image(s), got {len(images)}")
     sizes = [image_size(data, f"reference image {i + 1}") for i, data in enumerate(images)]
+    for i, (w, h) in enumerate(sizes):
+        if min(w, h) < spec.min_reference_side:
+            raise ValueError(f"reference image {i + 1} is {w}x{h}; model {spec.name} needs "
+                             f"at least {spec.min_reference_side} pixels on each side")
     if spec.task == INPAINTING:
         if mask is None:
             raise ValueError(f"model {spec.name} inpaints: the request needs a mask (white = "

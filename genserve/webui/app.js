@@ -16,12 +16,13 @@
   // Tasks whose requests bring pictures (the model's card says how many).
   const IMAGE_INPUT_TASKS = ["image-edit", "inpainting", "image-to-video"];
   // Which models each mode offers; "edit" also takes text-to-image models that do
-  // image-to-image (their card says `image_to_image`).
+  // image-to-image (their card says `image_to_image`) or edit from reference pictures
+  // (FLUX.2: their card says `max_reference_images`).
   const MODE_FILTERS = {
     video: (m) => VIDEO_TASKS.includes(m.task),
     image: (m) => m.task === "text-to-image",
     edit: (m) => ["image-edit", "inpainting"].includes(m.task)
-      || (m.task === "text-to-image" && m.image_to_image),
+      || (m.task === "text-to-image" && (m.image_to_image || m.max_reference_images > 0)),
   };
 
   const state = {
@@ -180,6 +181,9 @@
     if (IMAGE_INPUT_TASKS.includes(card.task)) {
       return { images: card.max_reference_images || 1, mask: card.task === "inpainting",
         strength: false };
+    }
+    if (state.mode === "edit" && card.max_reference_images > 0) {
+      return { images: card.max_reference_images, mask: false, strength: false };
     }
     const img2img = state.mode === "edit" && card.task === "text-to-image";
     return { images: img2img ? 1 : 0, mask: false, strength: img2img };

@@ -46,7 +46,7 @@ def live(tmp_path_factory, output_dir):
     lora = make_lora(flux, tmp_path_factory.mktemp("lora") / "ink", 1)
     client = WorkerDiffusionClient(WorkerConfig(
         ("tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v", "tiny-flux",
-         "tiny-qwen-image-edit"),
+         "tiny-qwen-image-edit", "tiny-flux2"),
         loras=(("tiny-flux", "ink", lora),), num_threads=_threads(), max_batch_size=4,
         batch_delay_ms=150))
     server = LiveServer(create_app(GatewayConfig(), llm_clients=[], diffusion_client=client))
@@ -116,6 +116,32 @@ def test_qwen_image_edit_with_the_openai_client(live, http):
     assert not np.array_equal(out, _decode(other.data[0].model_dump()))
     r = _edit(http, "tiny-qwen-image-edit", [("image", PICTURE), ("image", PICTURE)])
     assert r.status_code == 400 and "at most 1" in error_of(r)["message"]
+
+
+def test_flux2_generates_and_edits_from_several_references(live, http):
+    import openai
+
+    card = {m["id"]: m for m in http.get("/v1/models").json()["data"]}["tiny-flux2"]
+    assert card["task"] == "text-to-image" and card["max_reference_images"] == 10
+    client = openai.OpenAI(base_url=f"{live[0].url}/v1", api_key="x")
+    rng = np.random.default_rng(6)
+    first, second = (_png(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)) for _ in "ab")
+    edited = client.images.edit(model="tiny-flux2", image=[("a.png", first), ("b.png", second)],
+                                prompt="the cat from the first, the colours of the second",
+                                response_format="b64_json", extra_body={**FAST, "size": "32x32"})
+    out = _decode(edited.data[0].model_dump())
+    assert out.shape == (32, 32, 3)
+    drawn = client.images.generate(model="tiny-flux2", prompt="the cat from the first, the "
+                                   "colours of the second", size="32x32",
+                                   response_format="b64_json", extra_body={**FAST, "seed": 3})
+    assert not np.array_equal(out, _decode(drawn.data[0].model_dump()))
+    r = _edit(http, "tiny-flux2", [("image", first)], strength=0.5)
+    assert r.status_code == 400 and "takes no strength" in error_of(r)["message"]
+    r = _edit(http, "tiny-flux2", [("image", PICTURE)])  # 32 px: its pipeline needs 64
+    assert r.status_code == 400
+    assert "reference image 1 is 32x32; model tiny-flux2 needs at least 64" in error_of(r)[
+        "message"]
+    assert not live[1]._inflight
 
 
 def test_reference_image_and_mask_change_the_output(http):

@@ -277,3 +277,39 @@ def test_klein_final_latents_come_back_exactly_in_bf16():
     mean, std = _bn_statistics(model.pipe.vae, z)
     back = model.pipe._unpatchify_latents(z * std + mean).to(torch.bfloat16)
     assert torch.equal(back, final)
+
+
+def _picture(seed: int, side: int = 64) -> bytes:
+    import io
+
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("name, family, guidance", FAMILIES[:2])
+def test_flux2_edits_from_reference_images_as_diffusers_does(name, family, guidance):
+    """FLUX.2's pipeline edits from reference images (its `image` argument): two references
+    (at their own 64 px size: the pipeline sizes them itself), two rows batched on them, equal
+    to diffusers given the same pictures."""
+    import dataclasses
+    import io
+
+    from PIL import Image
+
+    model = load_model(name)
+    assert model.spec.task == "text-to-image" and model.spec.max_reference_images > 1
+    refs = (_picture(1), _picture(2))
+    pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in refs]
+    want = _reference(model.pipe, ROWS, guidance, image=pictures)
+    rows = [dataclasses.replace(_request(f"r{i}", p, s, guidance), reference_images=refs,
+                                condition_digest="two-references")
+            for i, (p, s) in enumerate(ROWS)]
+    got = model.generate(rows).frames
+    for i in range(len(ROWS)):
+        _assert_close(got[i], want[i])
+    plain = model.generate([_request("p", *ROWS[0], guidance)]).frames[0]
+    assert not np.array_equal(plain, got[0])  # the references shape the picture

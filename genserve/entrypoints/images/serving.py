@@ -57,7 +57,8 @@ class ImageServing:
     async def edit(self, body: ImageEditRequest, files: dict[str, list[bytes]],
                    base_url: str) -> dict[str, Any] | Response:
         """Image-to-image on a text-to-image model (`strength`), instruction editing on an
-        image-edit model (several images where it takes them), inpainting with `mask`."""
+        image-edit model or a text-to-image model that takes reference images (FLUX.2; several
+        images where it takes them), inpainting with `mask`."""
         spec = resolve_model(self.client, body.model, (TEXT_TO_IMAGE, IMAGE_EDIT, INPAINTING),
                              "/v1/images/edits")
         images = files.get("image", [])
@@ -66,7 +67,12 @@ class ImageServing:
                               param="image")
         masks = files.get("mask", [])
         mask = masks[0] if masks else None
-        if spec.task != TEXT_TO_IMAGE:
+        references = spec.max_reference_images > 0 and (
+            spec.task != TEXT_TO_IMAGE or body.strength is None or not spec.supports_image_to_image)
+        if references:
+            if spec.task == TEXT_TO_IMAGE and body.strength is not None:
+                raise bad_request(f"model {spec.name!r} edits from reference images and takes "
+                                  "no strength; drop it", param="strength")
             # Reference images and mask are checked (decodable, count, mask size) by the
             # request validation; the output size defaults to the first image's.
             return await self._run(body, spec, base_url, reference_images=tuple(images),

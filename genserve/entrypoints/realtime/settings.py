@@ -190,7 +190,8 @@ def _image_inputs(msg: StartMessage, spec: ModelSpec) -> dict[str, object]:
     for a text-to-image model. What the model cannot take is refused by `resolve_request`."""
     images = tuple(_decode(source, f"images.{i}") for i, source in enumerate(msg.images))
     mask = _decode(msg.mask, "mask") if msg.mask is not None else None
-    if msg.strength is not None and (spec.task in IMAGE_INPUT_TASKS or not images):
+    if msg.strength is not None and (spec.task in IMAGE_INPUT_TASKS or not images
+                                     or not spec.supports_image_to_image):
         raise ProtocolError("invalid_request", "strength applies to image-to-image only: send "
                             "one image with a text-to-image model that supports it.")
     if spec.task in IMAGE_INPUT_TASKS or not images or not spec.supports_image_to_image:

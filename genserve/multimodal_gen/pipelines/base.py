@@ -52,6 +52,9 @@ class DiffusionFamily(ABC):
     pipeline_classes: ClassVar[tuple[str, ...]]  # model_index.json `_class_name` values
     img2img_class: ClassVar[str | None] = None  # diffusers class sharing the same components
     max_reference_images: ClassVar[int] = 0  # image-conditioned tasks: images per request
+    # The pipeline takes reference images at their own size (it sizes them itself); else
+    # they are resized to the output size first.
+    references_at_own_size: ClassVar[bool] = False
     spec_defaults: ClassVar[dict[str, Any]]  # ModelSpec fields for a real checkpoint
     cfg_runs_separately: ClassVar[bool] = False  # transformer called twice per step with CFG
     step_cache_kind: ClassVar[str] = "dbcache"  # a key of step_cache.STEP_CACHES
@@ -216,8 +219,8 @@ class DiffusionFamily(ABC):
             image = _load_image(head.init_image, head.width, head.height)
             kwargs.update(image=[image] * len(prompts), strength=head.strength)
         if head.reference_images:
-            images = [_load_image(data, head.width, head.height)
-                      for data in head.reference_images]
+            size = (None, None) if self.references_at_own_size else (head.width, head.height)
+            images = [_load_image(data, *size) for data in head.reference_images]
             mask = None
             if head.mask_image is not None:
                 mask = _load_image(head.mask_image, head.width, head.height, mode="L")
@@ -338,11 +341,12 @@ def channels_last_vae(vae: torch.nn.Module | None) -> bool:
     return True
 
 
-def _load_image(data: bytes, width: int, height: int, mode: str = "RGB"):
+def _load_image(data: bytes, width: int | None, height: int | None, mode: str = "RGB"):
+    """The picture in `mode`, resized to width x height (None: kept at its own size)."""
     from PIL import Image
 
     image = Image.open(io.BytesIO(data)).convert(mode)
-    if image.size != (width, height):
+    if width is not None and image.size != (width, height):
         # A mask stays black and white: nearest, not a blend of both.
         resample = Image.NEAREST if mode == "L" else Image.LANCZOS
         image = image.resize((width, height), resample)

@@ -8,6 +8,14 @@ resolution, so sizes are multiples of 16. [dev] guides with its distilled guidan
 transformer running a second time per step on an empty negative prompt the pipeline sets
 itself (so no negative_prompt); the step-distilled [klein] checkpoints take no guidance.
 
+Both also edit: reference images (up to `max_reference_images`) are encoded by the VAE and
+their tokens appended to the sequence, each at its own offset on the position ids' time axis,
+so the prompt can say what to keep of each. The pipeline takes them with its `image` argument
+at their own size (it scales one above a megapixel down and crops each to a multiple of 16;
+its image processor refuses a side under 64 pixels, which the request validation checks
+first), and requests with the same references batch together (their tokens are the same for
+every row).
+
 The step cache is cache-dit's DBCache through its registered Flux adapter, which covers
 `Flux2Transformer2DModel` (double- and single-stream blocks)."""
 
@@ -26,6 +34,8 @@ class Flux2Family(DiffusionFamily):
     family = "flux2"
     task = TEXT_TO_IMAGE
     pipeline_classes = ("Flux2Pipeline",)
+    max_reference_images = 10  # Black Forest Labs' limit for FLUX.2 [dev]
+    references_at_own_size = True
     spec_defaults = dict(
         size_factor=16,
         max_pixels=2048 * 2048,
@@ -35,6 +45,7 @@ class Flux2Family(DiffusionFamily):
         default_guidance=4.0,
         max_steps=100,
         supports_negative_prompt=False,
+        min_reference_side=64,
     )
 
     def __init__(self, *args, **kwargs):
@@ -44,6 +55,9 @@ class Flux2Family(DiffusionFamily):
 
     def call_kwargs(self, req: ResolvedRequest) -> dict[str, Any]:
         return {"height": req.height, "width": req.width, "guidance_scale": req.guidance_scale}
+
+    def condition_kwargs(self, images, mask, req, rows) -> dict[str, Any]:
+        return {"image": list(images)}
 
     def unpack_latents(self, latents: torch.Tensor, req: ResolvedRequest) -> torch.Tensor:
         if latents.ndim == 5:
@@ -64,6 +78,7 @@ class Flux2Family(DiffusionFamily):
 class Flux2KleinFamily(Flux2Family):
     family = "flux2-klein"
     pipeline_classes = ("Flux2KleinPipeline",)
+    max_reference_images = 4  # genserve's cap for the small model: each adds a whole image
     cfg_runs_separately = True
 
     def checkpoint_defaults(self) -> dict[str, Any]:
