@@ -62,6 +62,8 @@ def create_attention_backend(name: str, runner: ModelRunner) -> AttentionBackend
     if name == "triton":
         from genserve.srt.layers.attention.triton_backend import TritonAttnBackend
 
+        if runner.latent_kv is not None:  # latent attention: one shared row a token
+            return TritonAttnBackend(runner.num_heads, 1, sum(runner.latent_kv), runner.device)
         return TritonAttnBackend(
             runner.num_heads, runner.num_kv_heads, runner.head_dim, runner.device
         )
@@ -155,11 +157,6 @@ class ModelRunner(KVPoolSizing):
         # (kv_lora_rank, qk_rope_head_dim) of a latent-attention model (DeepSeek-V2/V3): its
         # pool stores one compressed row per token instead of per-head K and V.
         self.latent_kv = self.model.latent_kv_dims()
-        if backend == "triton" and self.latent_kv is not None:
-            raise ValueError(
-                f"{config.architecture} uses multi-head latent attention, which the triton "
-                "backend does not implement; use --attention-backend torch"
-            )
         if backend == "triton":
             unsupported = [
                 i.layer_id

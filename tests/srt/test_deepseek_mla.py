@@ -1,8 +1,8 @@
 """DeepSeek-V2 / V3: greedy tokens equal to transformers on tiny random models (multi-head
 latent attention over a latent KV pool, YaRN with DeepSeek's mscale, shared + routed experts
 with group-limited routing, a dense first layer), batched, through chunked prefill and on a
-prefix-cache hit; the pool stores the compressed layout and is sized by it; tensor parallelism
-and the triton backend are refused at start-up."""
+prefix-cache hit; the pool stores the compressed layout and is sized by it; the triton backend
+gives the torch backend's tokens; tensor parallelism is refused at start-up."""
 
 from __future__ import annotations
 
@@ -208,11 +208,35 @@ def test_kv_ratio_of_the_real_configs():
     assert round(40960 / 576, 2) == 71.11 and round(5120 / 576, 2) == 8.89
 
 
-def test_tensor_parallel_and_triton_are_refused(v2):
+def test_tensor_parallel_is_refused(v2):
     with pytest.raises(ValueError, match="--tp is not supported for DeepseekV2ForCausalLM"):
         check_tensor_parallel(ModelConfig.from_folder(v2), 2)
-    with pytest.raises(ValueError, match="latent attention.*--attention-backend torch"):
-        Engine(str(v2), dtype="float32", attention_backend="triton", max_total_tokens=256)
+
+
+def test_triton_backend_gives_the_torch_backends_tokens(v2):
+    """The triton kernels (Triton's interpreter on a CPU) attend over the latent rows, values
+    narrower than keys: a batch of two, then a prompt extending a cached one."""
+    sampling = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    runs = {}
+    for backend in ("torch", "triton"):
+        engine = Engine(str(v2), dtype="float32", attention_backend=backend,
+                        max_total_tokens=256)
+        try:
+            assert engine.runtime.model_info()["attention_backend"] == backend
+            batch = engine.generate(input_ids=PROMPTS[:2], sampling_params=sampling,
+                                    return_logprob=True)
+            again = engine.generate(input_ids=PROMPTS[0] + [64, 65, 66],
+                                    sampling_params=sampling, return_logprob=True)
+            assert again["meta_info"]["cached_tokens"] >= len(PROMPTS[0]) - 1
+            engine.check_integrity()
+            runs[backend] = [*batch, again]
+        finally:
+            engine.shutdown()
+    for got, want in zip(runs["triton"], runs["torch"], strict=True):
+        assert got["output_ids"] == want["output_ids"]
+        lp = [t[0] for t in got["meta_info"]["output_token_logprobs"]]
+        ref = [t[0] for t in want["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(lp, ref, strict=True)) < 1e-4
 
 
 def _greedy(folder: Path) -> list[list[int]]:

@@ -16,9 +16,10 @@
     of the chosen experts, renormalised when `norm_topk_prob`.
 
 Refused at start-up: tensor parallelism (the latent projections are not split across ranks
-yet), weight-only quantization (the absorbed attention reads `kv_b_proj`'s weight directly),
-LoRA adapters, and the triton attention backend (its kernels assume values as wide as keys):
-the runner says so. DeepSeek-V3's multi-token-prediction layers (past `num_hidden_layers` in
+yet), weight-only quantization (the absorbed attention reads `kv_b_proj`'s weight directly)
+and LoRA adapters: the runner says so. The triton backend runs the latent attention as one
+shared key row a token (head_dim kv_lora_rank + rope) whose first kv_lora_rank columns are
+the values, which its kernels take narrower than the keys. DeepSeek-V3's multi-token-prediction layers (past `num_hidden_layers` in
 the checkpoint) are skipped.
 """
 
