@@ -1,6 +1,6 @@
 """`genserve serve --speculative-algorithm ngram|draft|eagle` end to end: the official openai client
-gets the same greedy answer whether the request speculates or decodes plainly (asking for
-logprobs makes it decode plainly on the same server), drafts are accepted (on an answer that
+gets the same greedy answer whether the request speculates or decodes plainly (a zero logit
+bias makes it decode plainly on the same server), drafts are accepted (on an answer that
 copies its prompt for n-gram; from the served model itself as its own draft), and the pool is
 whole afterwards. The EAGLE server runs a random head written in the EAGLE-1/2 layout: its drafts
 are verified (and mostly rejected) without changing an answer, stop strings included."""
@@ -15,6 +15,8 @@ from tests.serve_process import serve_process
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
+# A logit bias, even of zero, makes a request decode plainly (verify.can_speculate).
+PLAIN = {"0": 0}
 
 CODE = ("def average(values):\n    total = 0\n    for v in values:\n        total += v\n"
         "    return total / len(values)\n")
@@ -28,6 +30,7 @@ def url(default_models_server):
     return default_models_server
 
 
+
 def test_speculation_keeps_greedy_answers_and_accepts_drafts(url):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
     messages = [{"role": "user", "content": "Rename the variable `total` to `acc` in this "
@@ -35,7 +38,7 @@ def test_speculation_keeps_greedy_answers_and_accepts_drafts(url):
     spec = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64,
                                           temperature=0)
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64,
-                                           temperature=0, logprobs=True)
+                                           temperature=0, logit_bias=PLAIN)
     assert spec.choices[0].message.content == plain.choices[0].message.content
     assert spec.usage.completion_tokens == plain.usage.completion_tokens
     info = httpx.get(f"{url}/get_server_info?model={MODEL}", timeout=30).json()
@@ -99,7 +102,7 @@ def test_a_draft_model_server_keeps_greedy_answers():
         spec = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32,
                                               temperature=0)
         plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32,
-                                               temperature=0, logprobs=True)
+                                               temperature=0, logit_bias=PLAIN)
         assert spec.choices[0].message.content == plain.choices[0].message.content
         info = httpx.get(f"{u}/get_server_info?model={MODEL}", timeout=30).json()
         assert info["stats"]["spec_accepted_tokens"] > 0, info["stats"]
@@ -129,7 +132,7 @@ def test_an_eagle_server_keeps_greedy_answers_and_stop_strings(tmp_path):
         spec = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
                                               temperature=0)
         plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
-                                               temperature=0, logprobs=True)
+                                               temperature=0, logit_bias=PLAIN)
         answer = spec.choices[0].message.content
         assert answer == plain.choices[0].message.content
         stop = answer.split()[3]

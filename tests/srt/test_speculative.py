@@ -174,14 +174,24 @@ def test_mixed_eligibility_limits_and_stop_tokens(tiny):
     assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
     assert len(got[0]["output_ids"]) == 37
     assert got[4]["output_ids"][-1] == free_run[12] and len(got[4]["output_ids"]) <= 13
-    # logprobs make a request decode plainly; its tokens and logprobs are unchanged.
-    lp_got = engine.generate(input_ids=prompts[3], sampling_params=base, return_logprob=True)
-    lp_want = plain.generate(input_ids=prompts[3], sampling_params=base, return_logprob=True)
-    assert lp_got["output_ids"] == lp_want["output_ids"]
-    got_lp = [lp for lp, _ in lp_got["meta_info"]["output_token_logprobs"]]
-    want_lp = [lp for lp, _ in lp_want["meta_info"]["output_token_logprobs"]]
-    assert got_lp == pytest.approx(want_lp, abs=1e-4)
     assert engine.scheduler.stats["spec_accepted_tokens"] > 0
+    # Logprobs and top logprobs come from the verify's rows: the same as plain decoding's.
+    accepted = engine.scheduler.stats["spec_accepted_tokens"]
+    lp_got = engine.generate(input_ids=prompts[3], sampling_params=base, return_logprob=True,
+                             top_logprobs_num=3)
+    lp_want = plain.generate(input_ids=prompts[3], sampling_params=base, return_logprob=True,
+                             top_logprobs_num=3)
+    assert engine.scheduler.stats["spec_accepted_tokens"] > accepted  # it speculated
+    assert lp_got["output_ids"] == lp_want["output_ids"]
+    got, want = lp_got["meta_info"], lp_want["meta_info"]
+    assert len(got["output_token_logprobs"]) == len(lp_got["output_ids"])
+    for (g, gid), (w, wid) in zip(got["output_token_logprobs"], want["output_token_logprobs"],
+                                  strict=True):
+        assert gid == wid and g == pytest.approx(w, abs=1e-4)
+    for g_top, w_top in zip(got["output_top_logprobs"], want["output_top_logprobs"],
+                            strict=True):
+        assert [i for _, i in g_top] == [i for _, i in w_top]
+        assert [v for v, _ in g_top] == pytest.approx([v for v, _ in w_top], abs=1e-4)
     engine.check_integrity()
 
 

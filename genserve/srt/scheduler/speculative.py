@@ -25,6 +25,7 @@ from genserve.srt.server_args import EngineArgs
 from genserve.srt.speculative import NgramProposer, can_speculate, verify_draft
 from genserve.srt.speculative.draft import DraftModelProposer
 from genserve.srt.speculative.ngram import ForwardCost, NgramState
+from genserve.srt.speculative.verify import token_scores
 from genserve.srt.speculative.verify_rows import build_verify_rows, use_verify_rows
 
 if TYPE_CHECKING:
@@ -163,9 +164,14 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
             plain_rows.append(start)
         else:
             tokens = verify_draft(logits[start : start + n], draft, req.params, req.generator)
+            lps, tops = [None] * len(tokens), None
+            if req.return_logprob or req.top_logprobs_num > 0:
+                lps, tops = token_scores(logits[start : start + n], tokens, req.top_logprobs_num)
             appended = 0
-            for token in tokens:
-                req.append_token(token, s.eos_ids, s.context_length)
+            for j, token in enumerate(tokens):
+                req.append_token(token, s.eos_ids, s.context_length,
+                                 lps[j] if req.return_logprob else None,
+                                 tops[j] if tops is not None else None)
                 appended += 1
                 if req.finished:
                     break

@@ -28,14 +28,13 @@ from genserve.srt.sampling.sampling_params import SamplingParams
 def can_speculate(req: Any) -> bool:
     """Whether a request's next tokens can be verified in bulk: its per-token sampling must not
     depend on the tokens drafted before it in the same step (grammar state, penalties, the
-    min_new_tokens mask), and nothing per token is reported (logprobs). Others decode plainly,
-    in the same forward."""
+    min_new_tokens mask), and no chosen-token scores are asked for (token_ids_logprob).
+    Logprobs and top logprobs come from the verify's rows (`token_scores`). Others decode
+    plainly, in the same forward."""
     p: SamplingParams = req.params
     return (
         req.grammar is None
         and p.grammar_key is None
-        and not req.return_logprob
-        and req.top_logprobs_num == 0
         and not req.token_ids_logprob
         and not p.needs_penalties
         and not p.logit_bias
@@ -59,6 +58,19 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.min_p > 0.0:
         x = apply_min_p(x, torch.full((rows,), params.min_p, device=dev))
     return torch.softmax(x, dim=-1)
+
+
+def token_scores(logits: torch.Tensor, tokens: list[int], top_k: int
+                 ) -> tuple[list[float], list[list[tuple[float, int]]] | None]:
+    """Each appended token's logprob and its row's top_k (logprob, id) pairs, as plain decoding
+    reports them (log-softmax of the model's raw logits): row j of `logits` scores tokens[j]."""
+    rows = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    index = torch.tensor(tokens, dtype=torch.int64, device=rows.device)
+    chosen = rows.gather(1, index[:, None])[:, 0].tolist()
+    if top_k <= 0:
+        return chosen, None
+    values, ids = torch.topk(rows, min(top_k, rows.shape[-1]), dim=-1, sorted=True)
+    return chosen, [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]
 
 
 def verify_draft(logits: torch.Tensor, draft: list[int], params: SamplingParams,
