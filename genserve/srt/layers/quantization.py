@@ -65,7 +65,9 @@ class WeightOnlyLinear(nn.Module):
     """A linear layer whose weight is stored quantized (int8 per row or int4 per group); the
     bias, if any, stays in the model's dtype."""
 
-    def __init__(self, linear: nn.Linear, mode: str) -> None:
+    def __init__(self, linear: nn.Linear, mode: str, *, quantize: bool = True) -> None:
+        """quantize=False: only the layer's shape, bias and activation dtype (`int4_packed`
+        fills in its weight)."""
         super().__init__()
         from torchao.quantization import quantize_
 
@@ -77,6 +79,8 @@ class WeightOnlyLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), False)
         # A fused layer's shard layout (LoRA reads it, whichever form the layer is in).
         self.shard_offsets = dict(getattr(linear, "shard_offsets", None) or {})
+        if not quantize:
+            return
         if mode == "int8wo":
             from torchao.quantization import PerRow
             from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
@@ -109,6 +113,24 @@ class WeightOnlyLinear(nn.Module):
             inner.weight.copy_(weight)
         quantize_(inner, _int4_config(weight.device, group))
         self.qweight = inner.weight  # a torchao tensor subclass: F.linear runs the int4 kernel
+
+    @classmethod
+    def int4_packed(cls, linear: nn.Linear, qdata: torch.Tensor, scale_and_zero: torch.Tensor,
+                    group: int) -> WeightOnlyLinear:
+        """An int4wo layer (CPU) from weights already in the kernel's layout, its own weight
+        never read: qdata [out, in / 2] from `aten._convert_weight_to_int4pack_for_cpu`,
+        scale_and_zero [in / group, out, 2] in the activation dtype, each weight
+        (q - 8) * scale + zero."""
+        from torchao.prototype.quantization.int4 import Int4OpaqueTensor
+
+        layer = cls(linear, "int4wo", quantize=False)
+        if scale_and_zero.dtype != layer.act_dtype or linear.weight.device.type != "cpu":
+            raise ValueError(f"int4 scales must be {layer.act_dtype} on cpu, got "
+                             f"{scale_and_zero.dtype} on {linear.weight.device.type}")
+        shape = torch.Size([layer.out_features, layer.in_features])
+        weight = Int4OpaqueTensor(qdata, scale_and_zero, [1, group], shape)
+        layer.qweight = nn.Parameter(weight, requires_grad=False)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = x.to(self.act_dtype)
@@ -143,29 +165,25 @@ def quantizable_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def check_supported(mode: str, model: nn.Module, device: torch.device) -> None:
-    """Raise ValueError naming the mode and what works when this model/device cannot run it."""
+def unsupported_reason(mode: str, model: nn.Module, device: torch.device) -> str | None:
+    """Why this model/device cannot run `mode` (naming what works), None when it can."""
     if mode == "none":
-        return
+        return None
     works = "--quantization none" + (" or int8wo" if mode == "int4wo" else "")
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--quantization {mode} runs on cpu and cuda, not {device.type}")
+        return f"--quantization {mode} runs on cpu and cuda, not {device.type}"
     op = (
         "_weight_int8pack_mm"
         if mode == "int8wo"
         else ("_weight_int4pack_mm_for_cpu" if device.type == "cpu" else "_weight_int4pack_mm")
     )
     if not hasattr(torch.ops.aten, op):
-        raise ValueError(
-            f"--quantization {mode} needs torch's aten.{op} kernel, which this torch build "
-            f"lacks; use {works}"
-        )
+        return (f"--quantization {mode} needs torch's aten.{op} kernel, which this torch build "
+                f"lacks; use {works}")
     try:
         import torchao  # noqa: F401
     except ImportError as e:
-        raise ValueError(
-            f"--quantization {mode} needs torchao (pip install --no-deps torchao): {e}"
-        ) from None
+        return f"--quantization {mode} needs torchao (pip install --no-deps torchao): {e}"
     if mode == "int4wo":
         bad = [
             (n, m.in_features)
@@ -173,10 +191,16 @@ def check_supported(mode: str, model: nn.Module, device: torch.device) -> None:
             if int4_group_size(m.in_features) is None
         ]
         if bad:
-            raise ValueError(
-                f"--quantization int4wo needs every linear layer's input width divisible by "
-                f"{_INT4_GROUP_SIZES[0]}; {bad[0][0]} has {bad[0][1]}. Use {works}"
-            )
+            return (f"--quantization int4wo needs every linear layer's input width divisible "
+                    f"by {_INT4_GROUP_SIZES[0]}; {bad[0][0]} has {bad[0][1]}. Use {works}")
+    return None
+
+
+def check_supported(mode: str, model: nn.Module, device: torch.device) -> None:
+    """Raise ValueError naming the mode and what works when this model/device cannot run it."""
+    reason = unsupported_reason(mode, model, device)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def quantize_linear(model: nn.Module, name: str, mode: str) -> int:

@@ -8,7 +8,8 @@ time and writes it into the serving dtype, so every family in the registry loads
 and the peak stays the model plus one layer's tensors.
 
 The weights then run like any checkpoint's, on every device, through `--quantization`
-(`precision_class` is what `auto` keeps: int8wo, as for a quantized GGUF): activations are not
+(`precision_class` is what `auto` keeps: int8wo, as for a quantized GGUF; an int4wo load on a
+CPU repacks GPTQ's groups without dequantizing them, `int4_repack`): activations are not
 quantized and the KV cache stays in the serving dtype (`activation_scheme`, input and KV-cache
 scales, activation configs and `kv_cache_scheme` are read past).
 

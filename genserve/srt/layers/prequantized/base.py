@@ -29,11 +29,27 @@ class QuantizedWeight:
     module: str
 
 
+@dataclass(frozen=True)
+class Int4Groups:
+    """One linear weight's stored 4-bit groups along the input: weight = (q - zero) * scale.
+    words [out, in / 8] int32 (eight of a row's values to a word, low bits first), zeros
+    [groups, out] int32 and scales [groups, out] float32; column i is in group i // group_size
+    when `ordered` (else the checkpoint permutes its groups: act-order)."""
+
+    words: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+    group_size: int
+    ordered: bool
+
+
 class CheckpointQuantization(ABC):
     """One checkpoint format: which tensors make up a quantized weight and how to rebuild it."""
 
     method: str
     bits: int  # the widest stored weight: what `--quantization auto` keeps (precision_class)
+    # Whether `int4_groups` gives the stored groups (an int4wo load repacks them).
+    stores_int4_groups: bool = False
 
     @property
     def auto_class(self) -> str | None:
@@ -54,6 +70,12 @@ class CheckpointQuantization(ABC):
     def dequantize(self, qw: QuantizedWeight, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The float32 [out, in] weight from its stored tensors (keyed by role); ValueError
         when their dtypes or shapes disagree with each other or with the config."""
+
+    def int4_groups(self, qw: QuantizedWeight, tensors: dict[str, torch.Tensor]
+                    ) -> Int4Groups | None:
+        """The stored 4-bit groups as they are, for a repack into int4wo without dequantizing
+        (`int4_repack`); None for a format that has none."""
+        return None
 
 
 def refuse(method: str, what: str) -> ValueError:
