@@ -1,9 +1,10 @@
 """GPTQ checkpoints under int4wo on a CPU: the stored 4-bit groups repacked into the int4 kernel's
-layout (`layers/prequantized/int4_repack.py`), never dequantized.
+layout (`layers/prequantized/int4_repack.py`), never dequantized, and what `auto` makes of them.
 
 The packed tensors are checked against the checkpoint's own integers, scales and zeros (read
 back from the files here, independently of genserve's unpacking); each layer's matmul against
-the weights the test's quantizer says the integers stand for."""
+the weights the test's quantizer says the integers stand for; the served tokens against
+transformers on those weights."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from genserve import Engine
 from genserve.srt.layers.prequantized.gptq_awq import GPTQ
-from genserve.srt.layers.quantization import WeightOnlyLinear
+from genserve.srt.layers.quantization import WeightOnlyLinear, choose_quantization
 from tests.srt import prequant_checkpoints as pc
 from tests.srt.conftest import make_tiny_model_dir
+from tests.srt.test_engine import prompt
 from tests.srt.test_prequantized import _load
+from tests.srt.test_quantization import top1_agreement
 
 BASE = {"quant_method": "gptq", "bits": 4, "desc_act": False, "checkpoint_format": "gptq"}
 # (group_size, sym): the tiny models' layers are 64 and 128 wide, so groups of 128 leave a
@@ -113,3 +117,48 @@ def test_act_order_falls_back_to_dequantizing_with_a_reason(plain, tmp_path, mon
     assert "act-order" in caplog.text
     assert all(isinstance(m, WeightOnlyLinear) for n, m in model.named_modules()
                if n.endswith(("qkv_proj", "down_proj")))
+
+
+@pytest.mark.parametrize("variant", ["g32-asym", "g128-sym"])
+def test_auto_serves_gptq_as_int4wo_closer_than_int8wo(variant, plain, tmp_path):
+    """`--quantization auto` serves a GPTQ checkpoint as int4wo, its own groups: against the
+    checkpoint's dequantized weights (genserve's `none` path, held to transformers on them in
+    test_prequantized.py) it keeps the >= 95% teacher-forced top-1 agreement bar, with less
+    log-prob drift than int8wo (what `auto` picked before: the dequantized weights rounded
+    again onto an int8 grid; a single near-tie of this random model can flip its agreement
+    either way). Both run bfloat16 activations in the
+    quantized matmuls and an int8 lm_head."""
+    group, sym = VARIANTS[variant]
+    quantized, _ = write_gptq(plain, tmp_path, group, sym, dense=False)
+    engines = {}
+    try:
+        for mode in ("none", "auto", "int8wo"):
+            engines[mode] = Engine(str(quantized), quantization=mode, dtype="float32",
+                                   compile=False, max_total_tokens=2048)
+        assert engines["auto"].model_info()["quantization"] == "int4wo"
+        prompts = [prompt(i, 24) for i in range(4)]
+        int4 = top1_agreement(engines["none"], engines["auto"], prompts, 16)
+        int8 = top1_agreement(engines["none"], engines["int8wo"], prompts, 16)
+        print(f"{variant}: int4wo (agreement, drift) {int4}, int8wo {int8}")
+        assert int4[0] >= 0.95, (int4, int8)
+        assert int4[1] < int8[1], (int4, int8)
+        engines["auto"].check_integrity()
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+
+
+def test_auto_repacks_only_where_int4wo_holds_the_groups(plain):
+    model = _load(plain, load_format="dummy")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    exact = GPTQ({**BASE, "group_size": 128}).auto_class
+    assert exact == "int4-exact"
+    assert choose_quantization("auto", exact, model, cpu).mode == "int4wo"
+    # Not where the layers would be requantized: act-order, groups no kernel group divides, a
+    # CUDA device (tinygemm's tile layout), a layer int4wo cannot run.
+    assert GPTQ({**BASE, "group_size": 128, "desc_act": True}).auto_class == "int4"
+    assert GPTQ({**BASE, "group_size": 16}).auto_class == "int4"
+    assert choose_quantization("auto", exact, model, cuda).mode == "int8wo"
+    model.extra = torch.nn.Linear(40, 8)
+    choice = choose_quantization("auto", exact, model, cpu)
+    assert choice.mode == "int8wo" and "divisible by 32" in choice.reason

@@ -18,7 +18,10 @@ checkpoint's precision class alone, so every start of the same model runs the sa
 GGUF does not run as int4wo under `auto`: re-quantizing its de-quantized weights to int4wo kept
 97% teacher-forced top-1 agreement on SmolLM2 but changed its greedy answer to "What is the
 capital of France?" (tests/srt/test_quantization.py), where int8wo keeps it; int4wo stays
-available on request.
+available on request. The exception is a checkpoint whose 4-bit groups int4wo holds as stored
+(`EXACT_INT4`: GPTQ without act-order): on a CPU its layers are repacked, not requantized
+(`prequantized/int4_repack.py`), so int4wo serves the checkpoint's own weights and `auto` picks
+it (tests/srt/test_gptq_repack.py holds it to the agreement bar, against int8wo).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genserve.srt.layers.prequantized.base import EXACT_INT4
 from genserve.srt.server_args import QUANTIZATIONS
 
 logger = logging.getLogger(__name__)
@@ -235,7 +239,8 @@ def choose_quantization(
     """Resolve `auto` (and check an explicit mode) for this model on this device.
 
     `source_class`: "int8" / "int4" for a GGUF or a pre-quantized checkpoint stored in that
-    precision class, None for a full-precision checkpoint."""
+    precision class, `EXACT_INT4` for 4-bit groups that int4wo holds as stored (GPTQ: on a
+    CPU the loader repacks them, `int4_repack`), None for a full-precision checkpoint."""
     if requested not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {requested!r}")
     if requested != "auto":
@@ -243,5 +248,15 @@ def choose_quantization(
         return QuantizationChoice(requested, "requested")
     if source_class is None:
         return QuantizationChoice("none", "full-precision checkpoint: kept as is")
+    why = f"quantized ({source_class}) checkpoint: int8 weights"
+    if source_class == EXACT_INT4:
+        # The stored integers, scales and zeros are repacked, not re-rounded: int4wo serves
+        # the checkpoint's own weights where int8wo would round them onto a new grid.
+        why_not = ("the repack into int4wo is for cpu" if device.type != "cpu"
+                   else unsupported_reason("int4wo", model, device))
+        if why_not is None:
+            return QuantizationChoice("int4wo", "4-bit checkpoint: its groups repacked as "
+                                                "stored into int4 weights")
+        why += f" (not int4wo: {why_not})"
     check_supported("int8wo", model, device)
-    return QuantizationChoice("int8wo", f"quantized ({source_class}) checkpoint: int8 weights")
+    return QuantizationChoice("int8wo", why)

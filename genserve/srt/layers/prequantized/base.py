@@ -17,6 +17,10 @@ SUPPORTED = (
     "awq (bits=4, version gemm) and mxfp4 (GPT-OSS experts)"
 )
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# The precision class of a checkpoint whose 4-bit groups the int4wo kernel holds as stored
+# (`int4_repack`): `--quantization auto` runs it as int4wo, where it runs any other 4-bit
+# checkpoint (requantized) as int8wo.
+EXACT_INT4 = "int4-exact"
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,8 @@ class CheckpointQuantization(ABC):
     @property
     def auto_class(self) -> str | None:
         """The precision class `--quantization auto` runs the model in: "int4" / "int8" from the
-        widest stored weight (as for a GGUF), None to keep it as loaded."""
+        widest stored weight (as for a GGUF), `EXACT_INT4` for 4-bit groups that int4wo holds as
+        stored, None to keep it as loaded."""
         return "int4" if self.bits <= 4 else "int8"
 
     @abstractmethod

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from genserve.srt.layers.prequantized.base import (
+    EXACT_INT4,
     CheckpointQuantization,
     Int4Groups,
     QuantizedWeight,
@@ -74,6 +75,14 @@ class GPTQ(_Int4Packed):
 
     def describe(self) -> str:
         return f"gptq (int4, group {self.group_size}, desc_act {self.desc_act})"
+
+    @property
+    def auto_class(self) -> str | None:
+        """"int4-exact" where int4wo holds the stored groups as they are (no act-order, groups
+        a multiple of 32 wide or one per row): `--quantization auto` then repacks the layers
+        into int4wo instead of requantizing them to int8wo."""
+        exact = not self.desc_act and (self.group_size == -1 or self.group_size % 32 == 0)
+        return EXACT_INT4 if exact else "int4"
 
     def int4_groups(self, qw: QuantizedWeight, tensors: dict[str, torch.Tensor]) -> Int4Groups:
         """The stored 4-bit groups without dequantizing them (`int4_repack`); ValueError as
