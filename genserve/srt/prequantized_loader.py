@@ -50,14 +50,14 @@ def load_quantized_weights(
     try:
         if repack is None:  # one weight at a time: the lowest peak
             for qw in quantized:
-                _write_dequantized(loader, qw, scheme.dequantize(qw, read(qw)))
+                _write_dequantized(loader, scheme, qw, read(qw))
             return
         for module_name, layer in _by_layer(loader, quantized):
             stored = [read(qw) for qw, _ in layer]
             if _repacked(loader, scheme, repack, module_name, layer, stored):
                 continue
             for qw, _ in layer:
-                _write_dequantized(loader, qw, scheme.dequantize(qw, stored.pop(0)))
+                _write_dequantized(loader, scheme, qw, stored.pop(0))
     finally:
         for handle in handles.values():
             handle.close()
@@ -109,9 +109,19 @@ def _repacked(
     return True
 
 
-def _write_dequantized(loader: WeightLoader, qw: QuantizedWeight, weight: torch.Tensor) -> None:
+def _write_dequantized(
+    loader: WeightLoader,
+    scheme: CheckpointQuantization,
+    qw: QuantizedWeight,
+    stored: dict[str, torch.Tensor],
+) -> None:
+    """Dequantize one weight and write it in; its stored tensors (`stored`, emptied) and its
+    float32 copy are freed before the model hears of it (`written`: where its layer may be
+    quantized, the peak)."""
     from genserve.srt.models.base import take_part
 
+    weight = scheme.dequantize(qw, stored)
+    stored.clear()
     target = loader.destination(qw.name, tuple(weight.shape))
     if target is not None:
         dst, part = target
