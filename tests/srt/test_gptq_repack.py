@@ -162,3 +162,46 @@ def test_auto_repacks_only_where_int4wo_holds_the_groups(plain):
     model.extra = torch.nn.Linear(40, 8)
     choice = choose_quantization("auto", exact, model, cpu)
     assert choice.mode == "int8wo" and "divisible by 32" in choice.reason
+
+
+@pytest.mark.slow
+def test_smollm2_in_gptq_served_by_auto_keeps_the_bar_and_the_answer(smollm_folder, tmp_path):
+    """The real SmolLM2-135M with its layers in symmetric GPTQ groups of 32: `auto` serves it as
+    int4wo, keeps >= 95% teacher-forced top-1 agreement with the checkpoint's dequantized
+    weights (genserve's `none` path) and the France answer, with less log-prob drift than
+    int8wo."""
+    from tests.srt.test_quantization import (
+        SMOL_NEW_TOKENS,
+        agreement_and_drift,
+        greedy_continuations,
+        smol_prompts,
+        teacher_forced,
+    )
+
+    qc = {**BASE, "group_size": 32, "sym": True}
+    quantized, _ = pc.write_pair(smollm_folder, tmp_path, qc, pc.gptq(32, sym=True), dense=False)
+    ref = Engine(str(quantized), quantization="none", dtype="float32", compile=False,
+                 max_total_tokens=8192)
+    try:
+        prompts = smol_prompts(ref.tokenizer)
+        seqs = greedy_continuations(ref, prompts, SMOL_NEW_TOKENS)
+        ref_scores = teacher_forced(ref, prompts, seqs)
+        chat = ref.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}], tokenize=False,
+            add_generation_prompt=True)
+    finally:
+        ref.shutdown()
+    scores = {}
+    for mode in ("auto", "int8wo"):
+        engine = Engine(str(quantized), quantization=mode, compile=False, max_total_tokens=8192)
+        try:
+            scores[engine.model_info()["quantization"]] = agreement_and_drift(
+                ref_scores, teacher_forced(engine, prompts, seqs))
+            if mode == "auto":
+                answer = engine.generate(chat, {"temperature": 0, "max_new_tokens": 16})["text"]
+        finally:
+            engine.shutdown()
+    print(f"SmolLM2 GPTQ (agreement, drift): {scores}")
+    assert scores["int4wo"][0] >= 0.95, scores
+    assert scores["int4wo"][1] < scores["int8wo"][1], scores
+    assert "Paris" in answer, answer
