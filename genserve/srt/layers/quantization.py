@@ -123,15 +123,15 @@ class WeightOnlyLinear(nn.Module):
                     group: int) -> WeightOnlyLinear:
         """An int4wo layer (CPU) from weights already in the kernel's layout, its own weight
         never read: qdata [out, in / 2] from `aten._convert_weight_to_int4pack_for_cpu`,
-        scale_and_zero [in / group, out, 2] in the activation dtype, each weight
-        (q - 8) * scale + zero."""
+        scale_and_zero [in / group, out, 2], each weight (q - 8) * scale + zero; the kernel
+        takes them in the activation dtype, to which they are rounded here."""
         from torchao.prototype.quantization.int4 import Int4OpaqueTensor
 
         layer = cls(linear, "int4wo", quantize=False)
-        if scale_and_zero.dtype != layer.act_dtype or linear.weight.device.type != "cpu":
-            raise ValueError(f"int4 scales must be {layer.act_dtype} on cpu, got "
-                             f"{scale_and_zero.dtype} on {linear.weight.device.type}")
+        if linear.weight.device.type != "cpu":
+            raise ValueError(f"int4 weights in the CPU layout on {linear.weight.device.type}")
         shape = torch.Size([layer.out_features, layer.in_features])
+        scale_and_zero = scale_and_zero.to(layer.act_dtype).contiguous()
         weight = Int4OpaqueTensor(qdata, scale_and_zero, [1, group], shape)
         layer.qweight = nn.Parameter(weight, requires_grad=False)
         return layer

@@ -51,9 +51,8 @@ def pack_int4(
     zeros: torch.Tensor,
     scales: torch.Tensor,
     group_size: int,
-    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(qdata [out, in / 2], scale_and_zero [in / g, out, 2] in `dtype`, g) for the CPU kernel
+    """(qdata [out, in / 2], scale_and_zero [in / g, out, 2] in float32, g) for the CPU kernel
     from words [out, in / 8] int32 (eight values a word, low bits first), zeros [groups, out]
     and scales [groups, out] of groups `group_size` columns wide."""
     out, inn = words.shape[0], words.shape[1] * 8
@@ -73,8 +72,9 @@ def pack_int4(
     # Kernel group j covers columns [j*g, (j+1)*g), all inside checkpoint group j*g // G.
     source = torch.arange(inn // g) * g // group_size
     scale = scales.float()[source]  # [in / g, out]
-    zero = (8 - zeros[source].float()) * scale  # exact in float32: a small integer times fp16
-    return qdata, torch.stack([scale, zero], dim=-1).to(dtype).contiguous(), g
+    # Exact in float32 for float16 / bfloat16 scales: a small integer times an 11-bit mantissa.
+    zero = (8 - zeros[source].float()) * scale
+    return qdata, torch.stack([scale, zero], dim=-1), g
 
 
 class Int4Repack:
@@ -132,10 +132,7 @@ class Int4Repack:
             words[start : start + size] = g.words
             zeros[:, start : start + size] = g.zeros
             scales[:, start : start + size] = g.scales
-        layer = WeightOnlyLinear(linear, "int4wo", quantize=False)
-        qdata, scale_and_zero, kernel_g = pack_int4(
-            words, zeros, scales, groups.group_size, layer.act_dtype
-        )
+        qdata, scale_and_zero, kernel_g = pack_int4(words, zeros, scales, groups.group_size)
         del words
         setattr(parent, attr, WeightOnlyLinear.int4_packed(linear, qdata, scale_and_zero, kernel_g))
         self.repacked += 1
