@@ -17,9 +17,11 @@ loads build the model in float32, the dtype a quantized model is served in on a 
   tensors read from the file straight into the parameters;
 - `naive` (bf16): the path genserve used before the model registry: the model built in fp32,
   the whole state dict loaded with `safetensors.torch.load_file`, copied in, cast to bf16;
-- `genserve` (fp8, gptq): what `--quantization auto` does with them (int8 weights): each
-  linear layer dequantized and quantized as soon as it is loaded;
-- `genserve_int4wo` (gptq): the same with `--quantization int4wo` (4-bit weights, as stored);
+- `genserve` (fp8, gptq): what `--quantization auto` does with them (`choose_quantization`
+  from the checkpoint's precision class): fp8 as int8 weights, each linear layer dequantized
+  and quantized as soon as it is loaded; this GPTQ checkpoint as int4wo, its 4-bit groups
+  repacked as stored (`layers/prequantized/int4_repack.py`);
+- `genserve_int8wo` (gptq): `--quantization int8wo` (each layer dequantized, then int8);
 - `quantize_after` (fp8, gptq): the whole model dequantized into bf16 first, then quantized
   (genserve's path before layer-by-layer quantization).
 """
@@ -148,7 +150,8 @@ def measure(folder: Path, loader: str) -> dict:
     import torch
     import torchao  # noqa: F401 (imported by any quantized load: part of the baseline)
 
-    from genserve.srt.layers.quantization import quantize_model
+    from genserve.srt.layers.prequantized import precision_class
+    from genserve.srt.layers.quantization import choose_quantization, quantize_model
     from genserve.srt.model_config import ModelConfig
     from genserve.srt.model_runner import load_model
     from genserve.srt.models.base import ModelKernels
@@ -159,10 +162,17 @@ def measure(folder: Path, loader: str) -> dict:
     # A quantized model is served in float32 on a CPU (`engine_core._quantized_cpu_dtype`):
     # the quantized loads run in that dtype, as `genserve serve` runs them.
     dtype = torch.float32 if quantized else torch.bfloat16
-    if loader in ("genserve", "genserve_int4wo"):
-        wo = "int4wo" if loader == "genserve_int4wo" else "int8wo"
-        mode = (lambda model: wo) if quantized else None
-        load_model(cfg, folder, torch.device("cpu"), dtype, ModelKernels(), quantization=mode)
+    chosen: list[str] = []  # the weight-only mode of a `genserve` load
+    if loader in ("genserve", "genserve_int8wo"):
+        cpu, source = torch.device("cpu"), precision_class(folder)
+        requested = "int8wo" if loader == "genserve_int8wo" else "auto"
+
+        def mode(model) -> str:
+            chosen.append(choose_quantization(requested, source, model, cpu).mode)
+            return chosen[-1]
+
+        wo = mode if quantized else None
+        load_model(cfg, folder, cpu, dtype, ModelKernels(), quantization=wo)
     elif loader == "quantize_after":
         model = load_model(cfg, folder, torch.device("cpu"), dtype, ModelKernels())
         quantize_model(model, "int8wo")
@@ -174,7 +184,7 @@ def measure(folder: Path, loader: str) -> dict:
         model.load_weights(load_state_dict(folder).items())
         model.to(torch.bfloat16)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"baseline_rss": baseline, "peak_rss": peak}
+    return {"baseline_rss": baseline, "peak_rss": peak, "mode": chosen[0] if chosen else None}
 
 
 def main() -> None:
@@ -199,7 +209,7 @@ def main() -> None:
     here = [sys.executable, os.path.abspath(__file__)] + (["--smoke"] if args.smoke else [])
     formats = ["--formats", *args.formats]
     runs = {"bf16": ("genserve", "naive"), "fp8": ("genserve", "quantize_after"),
-            "gptq": ("genserve", "genserve_int4wo", "quantize_after")}
+            "gptq": ("genserve", "genserve_int8wo", "quantize_after")}
     runs = {fmt: loaders for fmt, loaders in runs.items() if fmt in args.formats}
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -230,7 +240,7 @@ def main() -> None:
         for loader in loaders:
             r = results[fmt][loader]
             print(
-                f"{fmt:5s} {ckpt / 2**20:5.0f} MiB {loader:15s} baseline "
+                f"{fmt:5s} {ckpt / 2**20:5.0f} MiB {loader:15s} {r['mode'] or '':6s} baseline "
                 f"{r['baseline_rss'] / 2**20:6.0f} MiB  peak {r['peak_rss'] / 2**20:6.0f} MiB  "
                 f"peak/ckpt {r['peak_over_checkpoint']:.2f}  "
                 f"(peak - baseline)/ckpt {r['load_delta_over_checkpoint']:.2f}"

@@ -55,7 +55,7 @@ def load_model(
         if device.type == "cpu" and (tp is None or tp.size == 1):
             keep_checkpoint_dtype(model, folder)
         model.load_checkpoint(folder, on_linear_loaded=functools.partial(
-            quantize_linear, model, mode=mode))
+            quantize_linear, model, mode=mode), weight_only=mode)
     else:
         model.load_checkpoint(folder)
     quantize_model(model, mode)

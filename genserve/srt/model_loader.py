@@ -35,7 +35,6 @@ from genserve.srt.named_models import EMBEDDED, row_for_path
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from genserve.srt.layers.prequantized import CheckpointQuantization, QuantizedWeight
     from genserve.srt.models.base import CausalLM, WeightLoader
 
 logger = logging.getLogger(__name__)
@@ -389,20 +388,25 @@ def _read_exact(f: io.FileIO, start: int, out: torch.Tensor) -> None:
 
 
 def load_checkpoint(model: CausalLM, folder: Path,
-                    on_linear_loaded: Callable[[str], None] | None = None) -> None:
+                    on_linear_loaded: Callable[[str], None] | None = None,
+                    weight_only: str = "none") -> None:
     """Stream every safetensors tensor into the model's parameters.
 
     A tensor whose dtype and device already match its destination is read from the file
     directly into the parameter's memory; any other goes through one temporary of its own
     size. Plain reads (not mmap) keep the file out of this process's resident memory, so the
     peak is the model plus the largest tensor. A pre-quantized checkpoint (`quantization_config`,
-    layers/prequantized/) is dequantized one linear weight at a time on the way in: the peak is
-    the model plus one layer's stored tensors and its float32 weight.
+    layers/prequantized/) comes in one linear layer at a time after the rest
+    (`prequantized_loader`): dequantized, or under `weight_only` "int4wo" on a CPU its 4-bit
+    groups repacked as stored (GPTQ).
     on_linear_loaded: see `CausalLM.load_checkpoint` (the model's full-precision storage is
     allocated but untouched until written, so a layer quantized as soon as it is whole keeps
     the peak near the quantized model's size).
+    weight_only: the mode `on_linear_loaded` quantizes the linear layers into.
     """
     from genserve.srt.layers.prequantized import checkpoint_quantization
+    from genserve.srt.layers.prequantized.int4_repack import Int4Repack
+    from genserve.srt.prequantized_loader import load_quantized_weights
 
     scheme = checkpoint_quantization(model.config.hf)
     loader = model.weight_loader(on_linear_loaded)
@@ -418,7 +422,10 @@ def load_checkpoint(model: CausalLM, folder: Path,
                     _load_tensor(loader, f, e)
                     loader.written(e.name)
     if quantized:
-        _load_dequantized(loader, scheme, quantized, files)
+        on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+        repack = (Int4Repack(model) if weight_only == "int4wo" and on_cpu
+                  and scheme.stores_int4_groups else None)
+        load_quantized_weights(loader, scheme, quantized, files, repack)
     loader.finish()
 
 
@@ -440,7 +447,7 @@ def _load_tensor(loader: WeightLoader, f: io.FileIO, e: TensorEntry) -> None:
                 and dst.is_contiguous()):
             _read_exact(f, e.start, dst)
         else:  # a tensor-parallel rank reads the whole tensor, keeps its slice
-            tmp = _read_tensor(f, e)
+            tmp = read_tensor(f, e)
             dst.copy_(take_part(tmp, part))
             del tmp
 
@@ -451,41 +458,11 @@ def _check_size(f: io.FileIO, e: TensorEntry) -> None:
         raise ValueError(f"{f.name}: tensor {e.name} has {e.nbytes} bytes for {e.shape}")
 
 
-def _read_tensor(f: io.FileIO, e: TensorEntry) -> torch.Tensor:
+def read_tensor(f: io.FileIO, e: TensorEntry) -> torch.Tensor:
     _check_size(f, e)
     out = torch.empty(e.shape, dtype=e.dtype)
     _read_exact(f, e.start, out)
     return out
-
-
-def _load_dequantized(loader: WeightLoader, scheme: CheckpointQuantization,
-                      quantized: list[QuantizedWeight],
-                      files: list[tuple[Path, list[TensorEntry]]]) -> None:
-    """Rebuild each quantized weight from its stored tensors and write it in the serving dtype."""
-    from genserve.srt.models.base import take_part
-
-    where = {e.name: (path, e) for path, entries in files for e in entries}
-    handles: dict[Path, io.FileIO] = {}
-    try:
-        for qw in quantized:
-            parts = {}
-            for role, name in qw.parts.items():
-                path, e = where[name]
-                if path not in handles:
-                    handles[path] = open(path, "rb", buffering=0)
-                parts[role] = _read_tensor(handles[path], e)
-            weight = scheme.dequantize(qw, parts)
-            del parts
-            target = loader.destination(qw.name, tuple(weight.shape))
-            if target is not None:
-                dst, part = target
-                with torch.no_grad():
-                    dst.copy_(take_part(weight, part))
-            del weight
-            loader.written(qw.name)
-    finally:
-        for handle in handles.values():
-            handle.close()
 
 
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:

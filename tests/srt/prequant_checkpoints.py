@@ -166,15 +166,20 @@ def ct_pack_group(group: int, bits: int = 4, symmetric: bool = True):
     return quantize
 
 
-def _int4_groups(w_t: torch.Tensor, group: int, g_idx: torch.Tensor):
-    """Asymmetric 4-bit quantization of w_t [in, out] in groups of input rows (row i in group
-    g_idx[i]): unsigned ints [in, out], zeros and fp16 scales [groups, out]."""
+def _int4_groups(w_t: torch.Tensor, group: int, g_idx: torch.Tensor, sym: bool = False):
+    """4-bit quantization of w_t [in, out] in groups of input rows (row i in group g_idx[i]):
+    unsigned ints [in, out], zeros and fp16 scales [groups, out]. Asymmetric (a zero per group
+    from the group's range), or symmetric as GPTQ's `sym`: zero 8, scale max |w| / 7.5."""
     groups = int(g_idx.max()) + 1
     scales = torch.empty(groups, w_t.shape[1])
     zeros = torch.empty(groups, w_t.shape[1])
     for gi in range(groups):
         rows = w_t[g_idx == gi]
         mn, mx = rows.amin(0), rows.amax(0)
+        if sym:
+            scales[gi] = (torch.maximum(-mn, mx) / 7.5).half().float()
+            zeros[gi] = 8
+            continue
         scales[gi] = ((mx - mn) / 15).half().float()
         # From 1: the gptq format stores zero - 1 in four bits.
         zeros[gi] = torch.round(-mn / scales[gi]).clamp(1, 15)
@@ -195,19 +200,20 @@ def _pack_int4(values: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.T
     return words if dim == 1 else words.t().contiguous()
 
 
-def gptq(group: int, desc_act: bool = False, seed: int = 0):
+def gptq(group: int, desc_act: bool = False, seed: int = 0, sym: bool = False):
     """GPTQ (AutoGPTQ / GPTQModel `gptq` format): qweight [in/8, out] packed along the input,
     qzeros [groups, out/8] storing zero - 1, fp16 scales [groups, out], g_idx [in]. With
-    desc_act the input columns are quantized in a permuted order, so g_idx is not i // group."""
+    desc_act the input columns are quantized in a permuted order, so g_idx is not i // group.
+    group -1: one group per output row."""
     gen = torch.Generator().manual_seed(seed)
 
     def quantize(name, w):
         w_t = w.t()
         inn = w_t.shape[0]
-        g_idx = torch.arange(inn) // group
+        g_idx = torch.arange(inn) // (inn if group == -1 else group)
         if desc_act:
             g_idx = g_idx[torch.randperm(inn, generator=gen)]
-        q, zeros, scales = _int4_groups(w_t, group, g_idx)
+        q, zeros, scales = _int4_groups(w_t, group, g_idx, sym)
         deq = ((q - zeros[g_idx]) * scales[g_idx]).t().float()
         parts = {".qweight": _pack_int4(q, dim=0), ".qzeros": _pack_int4(zeros - 1, dim=1),
                  ".scales": scales.half(), ".g_idx": g_idx.to(torch.int32)}

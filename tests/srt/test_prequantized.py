@@ -300,13 +300,15 @@ def test_kv_cache_scales_are_read_past(plain, tmp_path):
     assert got == want
 
 
-@pytest.mark.parametrize("case, precision", [("ct-w8a8-int8", "int8"), ("gptq", "int4"),
-                                             ("fp8-block", "int8")])
-def test_auto_runs_a_prequantized_checkpoint_as_int8wo_like_a_gguf(case, precision, plain,
-                                                                   tmp_path):
+@pytest.mark.parametrize("case, precision, mode", [
+    ("ct-w8a8-int8", "int8", "int8wo"), ("fp8-block", "int8", "int8wo"),
+    ("gptq", "int4-exact", "int4wo"), ("gptq-desc-act", "int4", "int8wo")])
+def test_auto_runs_a_prequantized_checkpoint_in_its_precision_class(case, precision, mode, plain,
+                                                                    tmp_path):
     """`--quantization auto` keeps a pre-quantized checkpoint's precision class the way it does a
     GGUF's: int8 weights (float32 around them on a CPU), where a full-precision folder stays
-    as it is."""
+    as it is; GPTQ groups that int4wo holds as stored are served as int4wo (repacked: tokens
+    in tests/srt/test_gptq_repack.py), act-order ones as int8wo."""
     from genserve.srt.layers.prequantized import precision_class
 
     arch, quantize, qconfig, _ = CASES[case]
@@ -315,7 +317,7 @@ def test_auto_runs_a_prequantized_checkpoint_as_int8wo_like_a_gguf(case, precisi
     engine = Engine(str(quantized), quantization="auto", compile=False, max_total_tokens=512)
     try:
         info = engine.model_info()
-        assert (info["quantization"], info["dtype"]) == ("int8wo", "float32")
+        assert (info["quantization"], info["dtype"]) == (mode, "float32")
         out = engine.generate(input_ids=PROMPTS[0], sampling_params={
             "max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert len(out["output_ids"]) == 4

@@ -18,7 +18,10 @@ checkpoint's precision class alone, so every start of the same model runs the sa
 GGUF does not run as int4wo under `auto`: re-quantizing its de-quantized weights to int4wo kept
 97% teacher-forced top-1 agreement on SmolLM2 but changed its greedy answer to "What is the
 capital of France?" (tests/srt/test_quantization.py), where int8wo keeps it; int4wo stays
-available on request.
+available on request. The exception is a checkpoint whose 4-bit groups int4wo holds as stored
+(`EXACT_INT4`: GPTQ without act-order): on a CPU its layers are repacked, not requantized
+(`prequantized/int4_repack.py`), so int4wo serves the checkpoint's own weights and `auto` picks
+it (tests/srt/test_gptq_repack.py holds it to the agreement bar, against int8wo).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genserve.srt.layers.prequantized.base import EXACT_INT4
 from genserve.srt.server_args import QUANTIZATIONS
 
 logger = logging.getLogger(__name__)
@@ -65,7 +69,9 @@ class WeightOnlyLinear(nn.Module):
     """A linear layer whose weight is stored quantized (int8 per row or int4 per group); the
     bias, if any, stays in the model's dtype."""
 
-    def __init__(self, linear: nn.Linear, mode: str) -> None:
+    def __init__(self, linear: nn.Linear, mode: str, *, quantize: bool = True) -> None:
+        """quantize=False: only the layer's shape, bias and activation dtype (`int4_packed`
+        fills in its weight)."""
         super().__init__()
         from torchao.quantization import quantize_
 
@@ -77,6 +83,8 @@ class WeightOnlyLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), False)
         # A fused layer's shard layout (LoRA reads it, whichever form the layer is in).
         self.shard_offsets = dict(getattr(linear, "shard_offsets", None) or {})
+        if not quantize:
+            return
         if mode == "int8wo":
             from torchao.quantization import PerRow
             from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
@@ -109,6 +117,24 @@ class WeightOnlyLinear(nn.Module):
             inner.weight.copy_(weight)
         quantize_(inner, _int4_config(weight.device, group))
         self.qweight = inner.weight  # a torchao tensor subclass: F.linear runs the int4 kernel
+
+    @classmethod
+    def int4_packed(cls, linear: nn.Linear, qdata: torch.Tensor, scale_and_zero: torch.Tensor,
+                    group: int) -> WeightOnlyLinear:
+        """An int4wo layer (CPU) from weights already in the kernel's layout, its own weight
+        never read: qdata [out, in / 2] from `aten._convert_weight_to_int4pack_for_cpu`,
+        scale_and_zero [in / group, out, 2], each weight (q - 8) * scale + zero; the kernel
+        takes them in the activation dtype, to which they are rounded here."""
+        from torchao.prototype.quantization.int4 import Int4OpaqueTensor
+
+        layer = cls(linear, "int4wo", quantize=False)
+        if linear.weight.device.type != "cpu":
+            raise ValueError(f"int4 weights in the CPU layout on {linear.weight.device.type}")
+        shape = torch.Size([layer.out_features, layer.in_features])
+        scale_and_zero = scale_and_zero.to(layer.act_dtype).contiguous()
+        weight = Int4OpaqueTensor(qdata, scale_and_zero, [1, group], shape)
+        layer.qweight = nn.Parameter(weight, requires_grad=False)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = x.to(self.act_dtype)
@@ -143,29 +169,25 @@ def quantizable_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def check_supported(mode: str, model: nn.Module, device: torch.device) -> None:
-    """Raise ValueError naming the mode and what works when this model/device cannot run it."""
+def unsupported_reason(mode: str, model: nn.Module, device: torch.device) -> str | None:
+    """Why this model/device cannot run `mode` (naming what works), None when it can."""
     if mode == "none":
-        return
+        return None
     works = "--quantization none" + (" or int8wo" if mode == "int4wo" else "")
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--quantization {mode} runs on cpu and cuda, not {device.type}")
+        return f"--quantization {mode} runs on cpu and cuda, not {device.type}"
     op = (
         "_weight_int8pack_mm"
         if mode == "int8wo"
         else ("_weight_int4pack_mm_for_cpu" if device.type == "cpu" else "_weight_int4pack_mm")
     )
     if not hasattr(torch.ops.aten, op):
-        raise ValueError(
-            f"--quantization {mode} needs torch's aten.{op} kernel, which this torch build "
-            f"lacks; use {works}"
-        )
+        return (f"--quantization {mode} needs torch's aten.{op} kernel, which this torch build "
+                f"lacks; use {works}")
     try:
         import torchao  # noqa: F401
     except ImportError as e:
-        raise ValueError(
-            f"--quantization {mode} needs torchao (pip install --no-deps torchao): {e}"
-        ) from None
+        return f"--quantization {mode} needs torchao (pip install --no-deps torchao): {e}"
     if mode == "int4wo":
         bad = [
             (n, m.in_features)
@@ -173,10 +195,16 @@ def check_supported(mode: str, model: nn.Module, device: torch.device) -> None:
             if int4_group_size(m.in_features) is None
         ]
         if bad:
-            raise ValueError(
-                f"--quantization int4wo needs every linear layer's input width divisible by "
-                f"{_INT4_GROUP_SIZES[0]}; {bad[0][0]} has {bad[0][1]}. Use {works}"
-            )
+            return (f"--quantization int4wo needs every linear layer's input width divisible "
+                    f"by {_INT4_GROUP_SIZES[0]}; {bad[0][0]} has {bad[0][1]}. Use {works}")
+    return None
+
+
+def check_supported(mode: str, model: nn.Module, device: torch.device) -> None:
+    """Raise ValueError naming the mode and what works when this model/device cannot run it."""
+    reason = unsupported_reason(mode, model, device)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def quantize_linear(model: nn.Module, name: str, mode: str) -> int:
@@ -211,7 +239,8 @@ def choose_quantization(
     """Resolve `auto` (and check an explicit mode) for this model on this device.
 
     `source_class`: "int8" / "int4" for a GGUF or a pre-quantized checkpoint stored in that
-    precision class, None for a full-precision checkpoint."""
+    precision class, `EXACT_INT4` for 4-bit groups that int4wo holds as stored (GPTQ: on a
+    CPU the loader repacks them, `int4_repack`), None for a full-precision checkpoint."""
     if requested not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {requested!r}")
     if requested != "auto":
@@ -219,5 +248,15 @@ def choose_quantization(
         return QuantizationChoice(requested, "requested")
     if source_class is None:
         return QuantizationChoice("none", "full-precision checkpoint: kept as is")
+    why = f"quantized ({source_class}) checkpoint: int8 weights"
+    if source_class == EXACT_INT4:
+        # The stored integers, scales and zeros are repacked, not re-rounded: int4wo serves
+        # the checkpoint's own weights where int8wo would round them onto a new grid.
+        why_not = ("the repack into int4wo is for cpu" if device.type != "cpu"
+                   else unsupported_reason("int4wo", model, device))
+        if why_not is None:
+            return QuantizationChoice("int4wo", "4-bit checkpoint: its groups repacked as "
+                                                "stored into int4 weights")
+        why += f" (not int4wo: {why_not})"
     check_supported("int8wo", model, device)
-    return QuantizationChoice("int8wo", f"quantized ({source_class}) checkpoint: int8 weights")
+    return QuantizationChoice("int8wo", why)

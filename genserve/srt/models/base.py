@@ -172,13 +172,16 @@ class CausalLM(nn.Module, ABC):
                 rebuild(device)
 
     def load_checkpoint(self, folder: Path,
-                        on_linear_loaded: Callable[[str], None] | None = None) -> None:
+                        on_linear_loaded: Callable[[str], None] | None = None,
+                        weight_only: str = "none") -> None:
         """Fill the parameters from the folder's safetensors (streamed, tensor by tensor).
         on_linear_loaded: called with a linear layer's module name as soon as its whole weight
-        is written (the runner quantizes it there, so full-precision weights never pile up)."""
+        is written (the runner quantizes it there, so full-precision weights never pile up).
+        weight_only: the mode it quantizes into ("int4wo" lets a GPTQ checkpoint's layers be
+        repacked into it as stored, `model_loader.load_checkpoint`)."""
         from genserve.srt.model_loader import load_checkpoint
 
-        load_checkpoint(self, folder, on_linear_loaded)
+        load_checkpoint(self, folder, on_linear_loaded, weight_only)
 
     def latent_kv_dims(self) -> tuple[int, int] | None:
         """(kv_lora_rank, qk_rope_head_dim) of a multi-head latent attention model, whose KV pool

@@ -17,6 +17,10 @@ SUPPORTED = (
     "awq (bits=4, version gemm) and mxfp4 (GPT-OSS experts)"
 )
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# The precision class of a checkpoint whose 4-bit groups the int4wo kernel holds as stored
+# (`int4_repack`): `--quantization auto` runs it as int4wo, where it runs any other 4-bit
+# checkpoint (requantized) as int8wo.
+EXACT_INT4 = "int4-exact"
 
 
 @dataclass(frozen=True)
@@ -29,16 +33,33 @@ class QuantizedWeight:
     module: str
 
 
+@dataclass(frozen=True)
+class Int4Groups:
+    """One linear weight's stored 4-bit groups along the input: weight = (q - zero) * scale.
+    words [out, in / 8] int32 (eight of a row's values to a word, low bits first), zeros
+    [groups, out] int32 and scales [groups, out] float32; column i is in group i // group_size
+    when `ordered` (else the checkpoint permutes its groups: act-order)."""
+
+    words: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+    group_size: int
+    ordered: bool
+
+
 class CheckpointQuantization(ABC):
     """One checkpoint format: which tensors make up a quantized weight and how to rebuild it."""
 
     method: str
     bits: int  # the widest stored weight: what `--quantization auto` keeps (precision_class)
+    # Whether `int4_groups` gives the stored groups (an int4wo load repacks them).
+    stores_int4_groups: bool = False
 
     @property
     def auto_class(self) -> str | None:
         """The precision class `--quantization auto` runs the model in: "int4" / "int8" from the
-        widest stored weight (as for a GGUF), None to keep it as loaded."""
+        widest stored weight (as for a GGUF), `EXACT_INT4` for 4-bit groups that int4wo holds as
+        stored, None to keep it as loaded."""
         return "int4" if self.bits <= 4 else "int8"
 
     @abstractmethod
@@ -54,6 +75,12 @@ class CheckpointQuantization(ABC):
     def dequantize(self, qw: QuantizedWeight, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The float32 [out, in] weight from its stored tensors (keyed by role); ValueError
         when their dtypes or shapes disagree with each other or with the config."""
+
+    def int4_groups(self, qw: QuantizedWeight, tensors: dict[str, torch.Tensor]
+                    ) -> Int4Groups | None:
+        """The stored 4-bit groups as they are, for a repack into int4wo without dequantizing
+        (`int4_repack`); None for a format that has none."""
+        return None
 
 
 def refuse(method: str, what: str) -> ValueError:

@@ -8,7 +8,9 @@ from typing import Any
 import torch
 
 from genserve.srt.layers.prequantized.base import (
+    EXACT_INT4,
     CheckpointQuantization,
+    Int4Groups,
     QuantizedWeight,
     as_int,
     check_dtype,
@@ -61,6 +63,7 @@ class GPTQ(_Int4Packed):
     `desc_act` permutes). The `gptq` checkpoint format stores each zero minus one."""
 
     method = "gptq"
+    stores_int4_groups = True
 
     def __init__(self, qc: dict[str, Any]) -> None:
         super().__init__(qc)
@@ -73,7 +76,38 @@ class GPTQ(_Int4Packed):
     def describe(self) -> str:
         return f"gptq (int4, group {self.group_size}, desc_act {self.desc_act})"
 
+    @property
+    def auto_class(self) -> str | None:
+        """"int4-exact" where int4wo holds the stored groups as they are (no act-order, groups
+        a multiple of 32 wide or one per row): `--quantization auto` then repacks the layers
+        into int4wo instead of requantizing them to int8wo."""
+        exact = not self.desc_act and (self.group_size == -1 or self.group_size % 32 == 0)
+        return EXACT_INT4 if exact else "int4"
+
+    def int4_groups(self, qw: QuantizedWeight, tensors: dict[str, torch.Tensor]) -> Int4Groups:
+        """The stored 4-bit groups without dequantizing them (`int4_repack`); ValueError as
+        `dequantize` when the tensors disagree with the config."""
+        qweight, inn, out, g_idx = self._checked(qw, tensors)
+        zeros = unpack_words(tensors["qzeros"], 4, 1)[:, :out].to(torch.int32) + self.zero_offset
+        # qweight [in / 8, out] packs eight inputs of one output per word: its transpose is
+        # each output row's inputs, eight to a word, low bits first.
+        return Int4Groups(words=qweight.t(), zeros=zeros, scales=tensors["scales"].float(),
+                          group_size=inn if self.group_size == -1 else self.group_size,
+                          ordered=bool(torch.equal(g_idx, self._plain_g_idx(inn))))
+
     def dequantize(self, qw, tensors):
+        qweight, inn, out, g_idx = self._checked(qw, tensors)
+        q = unpack_words(qweight, 4, 0)  # [in, out]
+        zeros = unpack_words(tensors["qzeros"], 4, 1)[:, :out] + self.zero_offset
+        scales = tensors["scales"].float()
+        return q.sub_(zeros[g_idx]).mul_(scales[g_idx]).t()
+
+    def _plain_g_idx(self, inn: int) -> torch.Tensor:
+        return torch.arange(inn) // (inn if self.group_size == -1 else self.group_size)
+
+    def _checked(self, qw: QuantizedWeight, tensors: dict[str, torch.Tensor]
+                 ) -> tuple[torch.Tensor, int, int, torch.Tensor]:
+        """(qweight, in, out, the group of each input column), the shapes checked."""
         qweight = tensors["qweight"]
         if qweight.dim() != 2:
             raise ValueError(f"{qw.parts['qweight']} has shape {tuple(qweight.shape)}; 2-D")
@@ -82,17 +116,13 @@ class GPTQ(_Int4Packed):
         self._check(qw, tensors, "qweight", (inn // 8, out))
         self._check(qw, tensors, "scales", (groups, out))
         self._check(qw, tensors, "qzeros", (groups, math.ceil(out / 8)))
-        if "g_idx" in tensors:
-            g_idx = tensors["g_idx"].long().reshape(-1)
-            if g_idx.numel() != inn or g_idx.min() < 0 or g_idx.max() >= groups:
-                raise ValueError(f"{qw.parts['g_idx']} does not give each of the {inn} input "
-                                 f"columns one of the {groups} groups of {qw.parts['scales']}")
-        else:
-            g_idx = torch.arange(inn) // (inn if self.group_size == -1 else self.group_size)
-        q = unpack_words(qweight, 4, 0)  # [in, out]
-        zeros = unpack_words(tensors["qzeros"], 4, 1)[:, :out] + self.zero_offset
-        scales = tensors["scales"].float()
-        return q.sub_(zeros[g_idx]).mul_(scales[g_idx]).t()
+        if "g_idx" not in tensors:
+            return qweight, inn, out, self._plain_g_idx(inn)
+        g_idx = tensors["g_idx"].long().reshape(-1)
+        if g_idx.numel() != inn or g_idx.min() < 0 or g_idx.max() >= groups:
+            raise ValueError(f"{qw.parts['g_idx']} does not give each of the {inn} input "
+                             f"columns one of the {groups} groups of {qw.parts['scales']}")
+        return qweight, inn, out, g_idx
 
 
 # AWQ's GEMM kernels store the eight 4-bit columns of a word in the order 0, 2, 4, 6, 1, 3, 5, 7;

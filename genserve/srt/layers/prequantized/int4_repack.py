@@ -1,0 +1,155 @@
+"""A checkpoint's 4-bit groups repacked straight into int4wo's CPU layout, never dequantized.
+
+GPTQ stores each weight as (q - zero) * scale: q unsigned 4-bit, an integer zero and a float16
+scale per group of `group_size` input columns. The CPU int4 kernel int4wo runs
+(`aten._weight_int4pack_mm_for_cpu`, inside torchao's `Int4OpaqueTensor`) computes
+(q - 8) * scale' + zero' from q packed by `aten._convert_weight_to_int4pack_for_cpu` and
+[in / g, out, 2] scales and zeros in the activation dtype, g one of 32 / 64 / 128. So the stored
+q go in unchanged, scale' = scale and zero' = (8 - zero) * scale; a checkpoint group G columns
+wide is G / g kernel groups with its scale and zero (g the widest kernel group dividing both G
+and the layer width; G = -1, one group per row, alike). What rounds is scale' and zero' into
+bfloat16: a symmetric checkpoint's zero' is 0 and each weight is then within one bfloat16
+rounding of its stored value, where a requantization moves every weight onto a new grid.
+
+A layer is repacked whole (every shard of a fused q/k/v or gate/up), one at a time: its packed
+words, zeros and scales are the only copies, half a byte per weight. A layer that cannot be is
+dequantized as before (`CheckpointQuantization.dequantize`) and quantized by `--quantization`,
+the reason logged: act-order groups (a `g_idx` that permutes them; the kernel's groups are
+contiguous), a group size no kernel group divides, a weight that is not a plain linear layer's
+(MoE expert stacks), a fused layer with a shard stored some other way.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from genserve.srt.layers.prequantized.base import Int4Groups
+from genserve.srt.layers.quantization import WeightOnlyLinear
+
+logger = logging.getLogger(__name__)
+
+_KERNEL_GROUPS = (128, 64, 32)
+# Rows unpacked into int32 at a time for the packing op: a multiple of its 64-row blocks (32 on
+# AVX2), so that packing row blocks one by one equals packing the whole weight.
+_PACK_ROWS = 256
+
+
+def kernel_group(group_size: int, in_features: int) -> int | None:
+    """The widest kernel group that splits both the checkpoint's groups and the layer's width."""
+    for g in _KERNEL_GROUPS:
+        if in_features % g == 0 and group_size % g == 0:
+            return g
+    return None
+
+
+def pack_int4(
+    words: torch.Tensor,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(qdata [out, in / 2], scale_and_zero [in / g, out, 2] in float32, g) for the CPU kernel
+    from words [out, in / 8] int32 (eight values a word, low bits first), zeros [groups, out]
+    and scales [groups, out] of groups `group_size` columns wide."""
+    out, inn = words.shape[0], words.shape[1] * 8
+    g = kernel_group(group_size, inn)
+    if g is None or out % 16:
+        raise ValueError(
+            f"no int4 kernel layout for a [{out}, {inn}] weight in groups of {group_size}"
+        )
+    qdata = torch.empty(out, inn // 2, dtype=torch.uint8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    for start in range(0, out, _PACK_ROWS):
+        rows = words[start : start + _PACK_ROWS]
+        q = ((rows.unsqueeze(-1) >> shifts) & 0xF).reshape(rows.shape[0], inn)  # [rows, in]
+        qdata[start : start + rows.shape[0]] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q, 1
+        )
+    # Kernel group j covers columns [j*g, (j+1)*g), all inside checkpoint group j*g // G.
+    source = torch.arange(inn // g) * g // group_size
+    scale = scales.float()[source]  # [in / g, out]
+    # Exact in float32 for float16 / bfloat16 scales: a small integer times an 11-bit mantissa.
+    zero = (8 - zeros[source].float()) * scale
+    return qdata, torch.stack([scale, zero], dim=-1), g
+
+
+class Int4Repack:
+    """Builds a model's int4wo layers from stored 4-bit groups, one linear layer at a time, and
+    counts what it repacked and what it left to the dequantizing path (and why)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.modules = dict(model.named_modules())  # as loading began: each is replaced once
+        self.repacked = 0
+        self.refused: dict[str, int] = {}
+
+    def refusal(self, module_name: str, shards: list[tuple[Any, Int4Groups | None]]) -> str | None:
+        """Why the layer `module_name` is not repacked from these shards ((shard id or None for
+        the whole weight, its groups)), None when it is. No side effects."""
+        module = self.modules.get(module_name)
+        if not isinstance(module, nn.Linear) or getattr(module, "sources", None) is not None:
+            return "not a whole linear layer"  # (an expert stack, a tensor-parallel share)
+        if any(groups is None for _, groups in shards):
+            return "a format without 4-bit groups"
+        want = set(getattr(module, "shard_offsets", None) or {None})
+        got = {shard for shard, _ in shards}
+        if None not in got and got != want:
+            return "a fused layer with shards stored unquantized"
+        if not all(groups.ordered for _, groups in shards):
+            return "act-order groups (g_idx permutes them)"
+        rows = sum(groups.words.shape[0] for _, groups in shards)
+        inn = {groups.words.shape[1] * 8 for _, groups in shards}
+        if rows != module.out_features or inn != {module.in_features}:
+            return "shapes that differ from the model's"  # the dequantizing path names them
+        sizes = {groups.group_size for _, groups in shards}
+        if len(sizes) != 1:
+            return "shards in different group sizes"
+        if kernel_group(sizes.pop(), module.in_features) is None:
+            return f"no int4 kernel group of {_KERNEL_GROUPS} divides the groups"
+        if module.out_features % 16:
+            return "an output width that is no multiple of 16"
+        return None
+
+    def install(self, module_name: str, shards: list[tuple[Any, Int4Groups]]) -> None:
+        """Replace the linear layer `module_name` by its int4wo form built from `shards`
+        (checked by `refusal`); its own weight is never read."""
+        parent_name, _, attr = module_name.rpartition(".")
+        parent = self.model.get_submodule(parent_name) if parent_name else self.model
+        linear = getattr(parent, attr)
+        out, inn = linear.out_features, linear.in_features
+        groups = shards[0][1]
+        n_groups = groups.zeros.shape[0]
+        words = torch.empty(out, inn // 8, dtype=torch.int32)
+        zeros = torch.empty(n_groups, out, dtype=torch.int32)
+        scales = torch.empty(n_groups, out, dtype=torch.float32)
+        offsets = getattr(linear, "shard_offsets", None) or {}
+        for shard, g in shards:
+            start, size = offsets[shard] if shard is not None else (0, out)
+            words[start : start + size] = g.words
+            zeros[:, start : start + size] = g.zeros
+            scales[:, start : start + size] = g.scales
+        qdata, scale_and_zero, kernel_g = pack_int4(words, zeros, scales, groups.group_size)
+        del words
+        setattr(parent, attr, WeightOnlyLinear.int4_packed(linear, qdata, scale_and_zero, kernel_g))
+        self.repacked += 1
+
+    def refuse(self, reason: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+
+    def log(self) -> None:
+        if self.repacked:
+            logger.info(
+                "int4wo: %d linear layers repacked from the checkpoint's 4-bit groups "
+                "(not dequantized)",
+                self.repacked,
+            )
+        for reason, n in self.refused.items():
+            logger.warning(
+                "int4wo: %d linear layers dequantized and requantized instead of repacked: %s",
+                n,
+                reason,
+            )
