@@ -12,7 +12,9 @@ Three checkpoints of the same random model (Llama layout) are written once by a 
   128), the rest bf16. Its integers are random: only sizes matter here.
 Each measured load runs in a fresh child: it imports torch, genserve and torchao, records its
 resident set size (the baseline), loads, and reports its peak RSS (getrusage maxrss). Quantized
-loads build the model in float32, the dtype a quantized model is served in on a CPU. Loaders:
+loads build the model in float32, the dtype a quantized model is served in on a CPU. (`--smoke`
+forks its children from one process that imported those once: it checks the script's steps,
+not its figures.) Loaders:
 - `genserve` (bf16): the serving path (`model_runner.load_model`): meta-device init in bf16,
   tensors read from the file straight into the parameters;
 - `naive` (bf16): the path genserve used before the model registry: the model built in fp32,
@@ -30,12 +32,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import resource
-import subprocess
-import sys
 import tempfile
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 SIZES = {
     # ~0.52B parameters: 24 layers of hidden 1280, 32000-token vocabulary, untied head.
@@ -187,27 +191,43 @@ def measure(folder: Path, loader: str) -> dict:
     return {"baseline_rss": baseline, "peak_rss": peak, "mode": chosen[0] if chosen else None}
 
 
+def write_all(plain: Path, size: dict, formats: list[str]) -> int:
+    """The plain checkpoint in `plain`, then the quantized ones of `formats` beside it; its
+    parameter count."""
+    parameters = write_checkpoint(plain, size)
+    for fmt in [f for f in ("fp8", "gptq") if f in formats]:
+        write_quantized(plain, plain.parent / fmt, fmt)
+    return parameters
+
+
+def child_context(smoke: bool) -> Any:
+    """Where each step runs: a fresh interpreter per step (spawn), so every measured load
+    starts from a process that has only imported; under --smoke, a fork of one process that
+    imported torch, torchao and genserve once (its RSS figures are not comparable: a fork
+    maps the libraries' pages without counting them until they are touched again)."""
+    if not smoke:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torchao", "safetensors", "genserve.srt.model_runner",
+                                "genserve.srt.layers.quantization", "genserve.srt.model_loader"])
+    return ctx
+
+
+def in_child(ctx: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in a new process of `ctx` (one process per call)."""
+    with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--formats", nargs="+", choices=("bf16", "fp8", "gptq"),
                     default=["bf16", "fp8", "gptq"], help="checkpoints to measure")
-    ap.add_argument("--measure", nargs=2, metavar=("FOLDER", "LOADER"), help=argparse.SUPPRESS)
-    ap.add_argument("--write", metavar="FOLDER", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.measure:
-        print(json.dumps(measure(Path(args.measure[0]), args.measure[1])))
-        return
     size = SIZES["smoke" if args.smoke else "default"]
-    if args.write:  # the plain checkpoint, then the quantized ones of --formats beside it
-        plain = Path(args.write)
-        print(write_checkpoint(plain, size))
-        for fmt in [f for f in ("fp8", "gptq") if f in args.formats]:
-            write_quantized(plain, plain.parent / fmt, fmt)
-        return
-    here = [sys.executable, os.path.abspath(__file__)] + (["--smoke"] if args.smoke else [])
-    formats = ["--formats", *args.formats]
+    ctx = child_context(args.smoke)
     runs = {"bf16": ("genserve", "naive"), "fp8": ("genserve", "quantize_after"),
             "gptq": ("genserve", "genserve_int8wo", "quantize_after")}
     runs = {fmt: loaders for fmt, loaders in runs.items() if fmt in args.formats}
@@ -216,14 +236,13 @@ def main() -> None:
         plain = Path(tmp) / "bf16"
         plain.mkdir()
         # One writer process for every checkpoint (each process start imports torch again).
-        results["parameters"] = int(subprocess.check_output(
-            here + formats + ["--write", str(plain)]))
+        results["parameters"] = in_child(ctx, write_all, plain, size, args.formats)
         for fmt, loaders in runs.items():
             folder = Path(tmp) / fmt
             ckpt = (folder / "model.safetensors").stat().st_size
             results[fmt] = {"checkpoint_bytes": ckpt}
             for loader in loaders:
-                r = json.loads(subprocess.check_output(here + ["--measure", str(folder), loader]))
+                r = in_child(ctx, measure, folder, loader)
                 r["peak_over_checkpoint"] = round(r["peak_rss"] / ckpt, 3)
                 r["load_delta_over_checkpoint"] = round(
                     (r["peak_rss"] - r["baseline_rss"]) / ckpt, 3)

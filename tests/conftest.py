@@ -40,6 +40,14 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(_THREADS)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Under `-n`, every worker starts diffusion workers, context-parallel ranks and pools
+        # from its fork server, which imports its preloads once, when the first runtime of any
+        # kind starts (an LLM's, often): named now, the diffusion workers' imports are in it.
+        from genserve.multimodal_gen.engine_client import WORKER_PRELOAD
+        from genserve.process_start import preload
+
+        preload(*WORKER_PRELOAD)
 
 
 def _xdist_groups(items) -> dict:

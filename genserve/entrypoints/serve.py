@@ -297,6 +297,8 @@ async def _start_runtimes(args: argparse.Namespace, llm_clients: list[LLMEngineC
     """Every runtime at once, under one memory plan; the first failure is raised after all
     have ended (the started ones are in `llm_clients` and `diffusion`)."""
     want_llm, want_diffusion = _wanted(args)
+    if want_llm and want_diffusion:
+        _preload_diffusion_imports()
     starts = []
     if want_llm:
         starts.append(_start_llms(args, llm_clients, planner))
@@ -307,6 +309,19 @@ async def _start_runtimes(args: argparse.Namespace, llm_clients: list[LLMEngineC
     failures = [r for r in results if isinstance(r, BaseException)]
     if failures:
         raise _first_failure(failures)
+
+
+def _preload_diffusion_imports() -> None:
+    """Have the runtimes' fork server, which the first LLM starts, import the diffusion
+    worker's modules too: imported there once, the worker does not import them after the LLMs'
+    start, nor a vision model's processor the transformers bases they share."""
+    try:
+        from genserve.multimodal_gen.engine_client import WORKER_PRELOAD
+    except ImportError:  # no diffusion runtime here: _start_diffusion says so
+        return
+    from genserve.process_start import preload
+
+    preload(*WORKER_PRELOAD)
 
 
 def _make_server(app: Any, config: GatewayConfig, log_level: str,

@@ -41,6 +41,14 @@ from genserve.multimodal_gen.worker import WorkerConfig, worker_main
 from genserve.process_start import preload, process_context, run_in_process
 from genserve.supervision import ProcessSupervisor, RestartPolicy
 
+# What the fork server imports for diffusion workers: torch's compiler, diffusers, and the
+# modules every pipeline's load imports lazily (diffusers' pipeline base, transformers' model
+# and processor bases behind the text encoders and tokenizers). Imported once in the server,
+# they cost nothing to each worker, context-parallel rank or restart forked from it.
+WORKER_PRELOAD = ("torch._dynamo", "diffusers", "diffusers.pipelines.pipeline_utils",
+                  "transformers.modeling_utils", "transformers.processing_utils",
+                  "genserve.multimodal_gen.worker")
+
 logger = logging.getLogger("genserve.diffusion")
 
 
@@ -84,7 +92,7 @@ class WorkerDiffusionClient(DiffusionEngineClient):
 
     def _spawn(self) -> int:
         """Start a worker, wait until its models are loaded, start its reader: the pid."""
-        preload("torch._dynamo", "diffusers", "genserve.multimodal_gen.worker")
+        preload(*WORKER_PRELOAD)
         ctx = process_context()
         link = _WorkerLink(None, ctx.Queue(), ctx.Queue())
         args: tuple = (self.config, link.inbox, link.outbox)

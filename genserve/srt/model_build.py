@@ -46,8 +46,8 @@ def load_model(
         model = model_cls(config, kernels, tp) if tp is not None and tp.size > 1 else (
             model_cls(config, kernels))
     mode = quantization(model) if quantization is not None else "none"
-    model = model.to(dtype).to_empty(device=device)
-    model.tie_weights()  # to_empty gives each module its own copy of a shared parameter
+    model = _empty_storage(model.to(dtype), device)
+    model.tie_weights()  # the storage above gives each module its own copy of a shared one
     model.rebuild_buffers(device)  # buffers (the rotary tables) were meta: compute them
     if load_format == "dummy":
         init_dummy_weights(model)
@@ -60,6 +60,13 @@ def load_model(
         model.load_checkpoint(folder)
     quantize_model(model, mode)
     return model.eval()
+
+
+def _empty_storage(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model.to_empty(device=device)` without its `empty_like` of meta tensors: torch runs
+    that through its Python meta functions, whose first use in a process imports torch's
+    symbolic-shapes module and sympy, a CPU cost every runtime process paid at start-up."""
+    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 def keep_checkpoint_dtype(model: CausalLM, folder: Path) -> None:

@@ -10,8 +10,6 @@ import diffusers
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig
-from peft.utils import get_peft_model_state_dict
 
 from genserve.multimodal_gen.embedded import build_embedded
 from genserve.multimodal_gen.messages import (
@@ -34,6 +32,9 @@ def _seeded(name: str):
 def make_lora(pipe, path, seed: int, targets=TARGETS) -> str:
     """A rank-4 adapter with random (non-zero) weights on the denoiser's attention
     projections, saved in diffusers' LoRA format."""
+    from peft import LoraConfig  # here, not at collection: slow to import
+    from peft.utils import get_peft_model_state_dict
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         pipe.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=targets,

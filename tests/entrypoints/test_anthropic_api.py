@@ -9,13 +9,15 @@ import base64
 import io
 import json
 
-import anthropic
 import httpx
 import jsonschema
 import pytest
 from PIL import Image
 
 from tests.entrypoints.conftest import SMOL_API_KEY
+from tests.needs import imported_on_use
+
+anthropic = imported_on_use("anthropic")  # the official client, imported by the tests that run
 
 pytestmark = pytest.mark.slow
 

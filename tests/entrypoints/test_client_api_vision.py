@@ -7,11 +7,13 @@ from __future__ import annotations
 import base64
 import io
 
-import anthropic
 import ollama
 import pytest
 
 from genserve.demo_models import world
+from tests.needs import imported_on_use
+
+anthropic = imported_on_use("anthropic")  # the official client, imported by the tests that run
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from genserve import Engine
 from genserve.srt.decode_graphs import cuda_graph_buckets
 from tests.srt.test_engine import prompt
 
-GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 4}
 GRAPHS = dict(enable_cuda_graph=True, cuda_graph_capture="eager", cuda_graph_max_bs=4)
 
 
