@@ -19,8 +19,8 @@ Refused at start-up: tensor parallelism (the latent projections are not split ac
 yet), weight-only quantization (the absorbed attention reads `kv_b_proj`'s weight directly)
 and LoRA adapters: the runner says so. The triton backend runs the latent attention as one
 shared key row a token (head_dim kv_lora_rank + rope) whose first kv_lora_rank columns are
-the values, which its kernels take narrower than the keys. DeepSeek-V3's multi-token-prediction layers (past `num_hidden_layers` in
-the checkpoint) are skipped.
+the values, which its kernels take narrower than the keys. DeepSeek-V3's
+multi-token-prediction layers (past `num_hidden_layers` in the checkpoint) are skipped.
 """
 
 from __future__ import annotations
