@@ -159,7 +159,9 @@ def test_a_killed_rank_fails_the_call_in_flight_and_the_group_restarts(group):
             events.append(event)
             if len(events) == 1:
                 os.kill(follower.pid, signal.SIGKILL)
-        while not group.is_healthy():
+        # The 503 can reach us before the supervisor has seen the worker exit: wait for the
+        # restart itself, not only for health (still true in that window).
+        while group.runtime_report()["restarts"] < 1 or not group.is_healthy():
             await asyncio.sleep(0.2)
         return events, await _events(group, _flux("again", 1))
 
