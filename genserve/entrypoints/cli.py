@@ -39,9 +39,10 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
                         "one chat streams faster, compiling adds minutes to start-up "
                         "(docs/benchmarks.md). Default: on for int8wo/int4wo weights on a CPU "
                         "with g++ or clang++ and one rank, else off; --no-compile skips it.")
-    g.add_argument("--compile-warm-up", default="background", choices=("background", "blocking"),
-                   help="background (default): the server answers at once and decodes eagerly "
-                        "until the compiled step is ready; blocking: the start waits for it.")
+    g.add_argument("--compile-warm-up", default=None, choices=("background", "blocking"),
+                   help="background (serve's default): the server answers at once and decodes "
+                        "eagerly until the compiled step is ready; blocking (generate's "
+                        "default): the start waits for it.")
     g.add_argument("--attention-backend", default=None, choices=llm_args.ATTENTION_BACKENDS)
     g.add_argument("--enable-cuda-graph", dest="enable_cuda_graph", action="store_true",
                    default=None,

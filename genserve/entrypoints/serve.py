@@ -174,6 +174,8 @@ def llm_engine_args(args: argparse.Namespace, path: str | None) -> Any:
     from genserve.srt.named_models import row_for_path
 
     engine_args = engine_args_from(args, path)
+    if getattr(args, "compile_warm_up", None) is None:  # a server answers before it compiles
+        engine_args = dataclasses.replace(engine_args, compile_warm_up="background")
     row = row_for_path(path)
     if (not args.model_path and row is not None and not row.quantizable
             and engine_args.quantization in ("int8wo", "int4wo")):
@@ -259,7 +261,7 @@ async def _start_llms(args: argparse.Namespace, clients: list[LLMEngineClient],
 
 def _stagger(args: argparse.Namespace, planner: ServerMemoryPlanner | None) -> bool:
     """Whether the other runtimes wait for the first LLM's weights (the module's docstring)."""
-    blocking = getattr(args, "compile_warm_up", "background") == "blocking"
+    blocking = getattr(args, "compile_warm_up", None) == "blocking"
     return planner is not None and blocking and host_only(args.device)
 
 

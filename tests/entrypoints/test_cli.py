@@ -128,3 +128,17 @@ def test_max_queued_requests_turns_excess_requests_into_503():
         thread.join(timeout=10)
     assert status == 503 and body["error"]["code"] == "queue_full", body
     assert after == 200
+
+
+def test_compile_warm_up_is_background_for_serve_and_blocking_for_generate():
+    from genserve.entrypoints.offline import text_engine_args
+    from genserve.entrypoints.serve import _stagger
+
+    serve = build_parser().parse_args(["serve", "--model-path", "/m.gguf"])
+    assert llm_engine_args(serve, "/m.gguf").compile_warm_up == "background"
+    assert not _stagger(serve, planner=object())  # nothing waits on a background compile
+    asked = build_parser().parse_args(["serve", "--model-path", "/m.gguf",
+                                       "--compile-warm-up", "blocking"])
+    assert llm_engine_args(asked, "/m.gguf").compile_warm_up == "blocking"
+    generate = build_parser().parse_args(["generate", "--prompt", "hi", "--compile"])
+    assert text_engine_args(generate).compile_warm_up == "blocking"  # one request: wait
