@@ -153,6 +153,13 @@ class RotaryEmbedding(nn.Module):
         cache = rope_cos_sin_table(self.rotary_dim, max_position, theta, scaling, self.args[3])
         self.register_buffer("cos_sin_cache", cache.to(dtype), persistent=False)
 
+    @classmethod
+    def of_model(cls, cfg: Any, kernel: str, table_rows: int | None = None) -> RotaryEmbedding:
+        """The rotary embedding a decoder config describes (head_dim, max_position_embeddings,
+        rope_theta / rope_scaling, rotary_dim); `table_rows` as in `__init__`."""
+        return cls(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                   kernel=kernel, rotary_dim=cfg.rotary_dim, table_rows=table_rows)
+
     def rebuild(self, device: torch.device) -> None:
         """Recompute the table on `device` (after meta-device construction left it empty)."""
         max_position, theta, scaling, rows = self.args

@@ -188,14 +188,7 @@ class LlamaForCausalLM(CausalLM):
         self.config = cfg
         self.kernels = kernels
         self.tp = tp
-        rotary = RotaryEmbedding(
-            cfg.head_dim,
-            cfg.max_position_embeddings,
-            cfg.rope_theta,
-            cfg.rope_scaling,
-            kernel=kernels.rotary,
-            rotary_dim=cfg.rotary_dim,
-        )
+        rotary = RotaryEmbedding.of_model(cfg, kernels.rotary)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
             self.make_layer(i, rotary) for i in range(cfg.num_hidden_layers)

@@ -203,15 +203,7 @@ class Eagle3Head(CausalLM):
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
-        rotary = RotaryEmbedding(
-            cfg.head_dim,
-            cfg.max_position_embeddings,
-            cfg.rope_theta,
-            cfg.rope_scaling,
-            kernel=kernels.rotary,
-            rotary_dim=cfg.rotary_dim,
-            table_rows=positions,
-        )
+        rotary = RotaryEmbedding.of_model(cfg, kernels.rotary, table_rows=positions)
         self.fc = nn.Linear(len(layout.aux_layers) * layout.target_hidden, h, bias=layout.fc_bias)
         self.midlayer = Eagle3DecoderLayer(cfg, rotary, kernels)
         self.norm = RMSNorm(h, cfg.rms_norm_eps, kernels.norm)

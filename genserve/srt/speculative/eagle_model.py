@@ -145,15 +145,7 @@ class EagleHead(CausalLM):
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
-        rotary = RotaryEmbedding(
-            cfg.head_dim,
-            cfg.max_position_embeddings,
-            cfg.rope_theta,
-            cfg.rope_scaling,
-            kernel=kernels.rotary,
-            rotary_dim=cfg.rotary_dim,
-            table_rows=positions,
-        )
+        rotary = RotaryEmbedding.of_model(cfg, kernels.rotary, table_rows=positions)
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, rotary, kernels=kernels) for i in range(cfg.num_hidden_layers)
