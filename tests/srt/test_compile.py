@@ -14,13 +14,8 @@ from tests.srt.test_engine import prompt
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 10}
 
 
-def test_compiled_decode_gives_the_eager_tokens(tiny_model_factory):
-    folder = str(tiny_model_factory("llama"))
-    eager = Engine(folder, dtype="float32", max_total_tokens=2048)
-    torch._dynamo.utils.counters.clear()
-    compiled = Engine(folder, dtype="float32", max_total_tokens=2048, compile=True)
-    runner = compiled.runtime.runner
-    assert runner._compiled_decode is not None
+def count_compiled_calls(runner) -> dict[str, int]:
+    """Wrap the runner's compiled decode step; the dict's "n" counts its calls."""
     calls = {"n": 0}
     inner = runner._compiled_decode
 
@@ -29,6 +24,17 @@ def test_compiled_decode_gives_the_eager_tokens(tiny_model_factory):
         return inner(fb)
 
     runner._compiled_decode = counted
+    return calls
+
+
+def test_compiled_decode_gives_the_eager_tokens(tiny_model_factory):
+    folder = str(tiny_model_factory("llama"))
+    eager = Engine(folder, dtype="float32", max_total_tokens=2048)
+    torch._dynamo.utils.counters.clear()
+    compiled = Engine(folder, dtype="float32", max_total_tokens=2048, compile=True)
+    runner = compiled.runtime.runner
+    assert runner._compiled_decode is not None
+    calls = count_compiled_calls(runner)
     prompts = [prompt(i, 20) for i in range(3)]
     for ids in prompts:
         want = eager.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
@@ -118,14 +124,7 @@ def test_background_warm_up_serves_at_once_then_switches_without_a_recompile(
     assert graphs >= 1
     assert engine.server_info()["compile_state"] == "ready"  # adopted: the next step compiles
     assert runner.compile_report["seconds"] > 0, runner.compile_report
-    calls = {"n": 0}
-    inner = runner._compiled_decode
-
-    def counted(fb):
-        calls["n"] += 1
-        return inner(fb)
-
-    runner._compiled_decode = counted
+    calls = count_compiled_calls(runner)
     for ids in [prompt(i, 20) for i in range(3)]:
         want = eager.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
         assert engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] == want

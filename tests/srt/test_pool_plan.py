@@ -31,15 +31,9 @@ class _Compiles(logging.Handler):
             self.done.release()
 
 
-def test_the_plan_answers_after_the_warm_up_and_a_smaller_pool_is_rebuilt(tiny_model_factory):
-    folder = str(tiny_model_factory("llama"))
-    args = EngineArgs(model_path=folder, dtype="float32", quantization="int8wo", compile=True)
-    parent, child = multiprocessing.Pipe()
-    compiles = _Compiles()
-    log = logging.getLogger("genserve.srt.compile_warm_up")
-    level = log.level
-    log.setLevel(logging.INFO)
-    log.addHandler(compiles)
+def _build_in_thread(args: EngineArgs, child) -> tuple[threading.Thread, dict]:
+    """`build_runtime` with the plan asked over `child`, in a started thread; the dict gets
+    its "runtime" or its "error"."""
     built: dict = {}
 
     def build() -> None:
@@ -50,6 +44,19 @@ def test_the_plan_answers_after_the_warm_up_and_a_smaller_pool_is_rebuilt(tiny_m
 
     builder = threading.Thread(target=build, daemon=True)
     builder.start()
+    return builder, built
+
+
+def test_the_plan_answers_after_the_warm_up_and_a_smaller_pool_is_rebuilt(tiny_model_factory):
+    folder = str(tiny_model_factory("llama"))
+    args = EngineArgs(model_path=folder, dtype="float32", quantization="int8wo", compile=True)
+    parent, child = multiprocessing.Pipe()
+    compiles = _Compiles()
+    log = logging.getLogger("genserve.srt.compile_warm_up")
+    level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(compiles)
+    builder, built = _build_in_thread(args, child)
     try:
         assert parent.poll(300)
         report = parent.recv()
@@ -93,16 +100,7 @@ def test_a_background_warm_up_compiles_over_the_planned_pool(tiny_model_factory)
     args = EngineArgs(model_path=folder, dtype="float32", quantization="int8wo", compile=True,
                       compile_warm_up="background")
     parent, child = multiprocessing.Pipe()
-    built: dict = {}
-
-    def build() -> None:
-        try:
-            built["runtime"] = build_runtime(args, plan_pool=_PlanLink(child))
-        except BaseException as exc:
-            built["error"] = exc
-
-    builder = threading.Thread(target=build, daemon=True)
-    builder.start()
+    builder, built = _build_in_thread(args, child)
     assert parent.poll(300)
     default = parent.recv().payload["default_tokens"]
     parent.send(ControlReq("kv_pool", 0, {"max_total_tokens": default // 4}))
