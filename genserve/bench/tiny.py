@@ -14,12 +14,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def tiny_chat_model(folder: str | Path | None = None, *, hidden: int = 64, layers: int = 2,
-                    seed: int = 0) -> Path:
+                    seed: int = 0, init_std: float = 0.02) -> Path:
     """Write (once per folder) a random Llama of `layers` layers, `hidden` wide, with SmolLM2's
     vocabulary, tokenizer and chat template; return the folder. Default folder: one under the
-    system's temporary directory, reused by later calls."""
+    system's temporary directory, reused by later calls.
+
+    init_std: the weights' standard deviation. Tests that compare greedy answers between two
+    ways of running the model (one rank and two, speculation and plain decoding) raise it to
+    about 0.2: peaky logits leave no near-ties for summation order to flip."""
+    std = "" if init_std == 0.02 else f"-std{init_std:g}"
     folder = Path(folder) if folder else Path(tempfile.gettempdir()) / (
-        f"genserve-tiny-chat-{hidden}x{layers}-{seed}")
+        f"genserve-tiny-chat-{hidden}x{layers}-{seed}{std}")
     if (folder / "config.json").is_file():
         return folder
     import torch
@@ -32,7 +37,7 @@ def tiny_chat_model(folder: str | Path | None = None, *, hidden: int = 64, layer
     cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=2048, tie_word_embeddings=True,
-                         bos_token_id=1, eos_token_id=2)
+                         bos_token_id=1, eos_token_id=2, initializer_range=init_std)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp"))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

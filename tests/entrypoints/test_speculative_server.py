@@ -2,8 +2,10 @@
 gets the same greedy answer whether the request speculates or decodes plainly (a zero logit
 bias makes it decode plainly on the same server), drafts are accepted (on an answer that
 copies its prompt for n-gram; from the served model itself as its own draft), and the pool is
-whole afterwards. The EAGLE server runs a random head written in the EAGLE-1/2 layout: its drafts
-are verified (and mostly rejected) without changing an answer, stop strings included."""
+whole afterwards. The n-gram server is the session's default one (SmolLM2); the draft and EAGLE
+servers run a tiny random model in SmolLM2's vocabulary, the EAGLE one with a random head
+written in the EAGLE-1/2 layout: its drafts are verified (and mostly rejected) without changing
+an answer, stop strings included."""
 
 from __future__ import annotations
 
@@ -17,9 +19,19 @@ pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 # A logit bias, even of zero, makes a request decode plainly (verify.can_speculate).
 PLAIN = {"0": 0}
+IGNORE_EOS = {"ignore_eos": True}
 
 CODE = ("def average(values):\n    total = 0\n    for v in values:\n        total += v\n"
         "    return total / len(values)\n")
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> str:
+    """The draft and EAGLE servers' model: a tiny random Llama in SmolLM2's vocabulary and chat
+    template, peaky enough that speculation and plain decoding cannot part on a near-tie."""
+    from genserve.bench.tiny import tiny_chat_model
+
+    return str(tiny_chat_model(init_std=0.2))
 
 
 @pytest.fixture(scope="module")
@@ -92,19 +104,22 @@ def test_a_vision_model_refuses_speculation_at_start():
         start()
 
 
-def test_a_draft_model_server_keeps_greedy_answers():
-    # The one model named: not the default vision model beside it (the n-gram server's).
-    with serve_process("--model-path", MODEL, "--speculative-algorithm", "draft",
-                       "--speculative-draft-model-path", MODEL, "--speculative-num-steps", "3",
-                       "--max-total-tokens", "4096") as u:
+def test_a_draft_model_server_keeps_greedy_answers(tiny_model):
+    # The one model named, drafting for itself: not the default vision model beside it (the
+    # n-gram server's).
+    with serve_process("--model-path", tiny_model, "--speculative-algorithm", "draft",
+                       "--speculative-draft-model-path", tiny_model,
+                       "--speculative-num-steps", "3", "--max-total-tokens", "4096") as u:
         client = openai.OpenAI(base_url=f"{u}/v1", api_key="none")
+        model = client.models.list().data[0].id
         messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
-        spec = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32,
-                                              temperature=0)
-        plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32,
-                                               temperature=0, logit_bias=PLAIN)
+        spec = client.chat.completions.create(model=model, messages=messages, max_tokens=32,
+                                              temperature=0, extra_body=IGNORE_EOS)
+        plain = client.chat.completions.create(model=model, messages=messages, max_tokens=32,
+                                               temperature=0, logit_bias=PLAIN,
+                                               extra_body=IGNORE_EOS)
         assert spec.choices[0].message.content == plain.choices[0].message.content
-        info = httpx.get(f"{u}/get_server_info?model={MODEL}", timeout=30).json()
+        info = httpx.get(f"{u}/get_server_info?model={model}", timeout=30).json()
         assert info["stats"]["spec_accepted_tokens"] > 0, info["stats"]
         assert info["available_tokens"] + info["cache"]["total_tokens"] == info["max_total_tokens"]
 
@@ -117,29 +132,31 @@ def test_a_missing_draft_model_is_refused_at_start():
         start()
 
 
-def test_an_eagle_server_keeps_greedy_answers_and_stop_strings(tmp_path):
+def test_an_eagle_server_keeps_greedy_answers_and_stop_strings(tiny_model, tmp_path):
     from pathlib import Path
 
-    from genserve.srt.model_loader import resolve_model_folder
     from tests.srt.test_speculative_eagle import write_eagle_head
 
-    head = write_eagle_head(tmp_path / "eagle", Path(resolve_model_folder(None)[0]))
-    with serve_process("--model-path", MODEL, "--speculative-algorithm", "eagle",
+    head = write_eagle_head(tmp_path / "eagle", Path(tiny_model))
+    with serve_process("--model-path", tiny_model, "--speculative-algorithm", "eagle",
                        "--speculative-draft-model-path", str(head),
                        "--speculative-num-steps", "3", "--max-total-tokens", "4096") as u:
         client = openai.OpenAI(base_url=f"{u}/v1", api_key="none")
+        model = client.models.list().data[0].id
         messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
-        spec = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
-                                              temperature=0)
-        plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
-                                               temperature=0, logit_bias=PLAIN)
+        spec = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
+                                              temperature=0, extra_body=IGNORE_EOS)
+        plain = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
+                                               temperature=0, logit_bias=PLAIN,
+                                               extra_body=IGNORE_EOS)
         answer = spec.choices[0].message.content
         assert answer == plain.choices[0].message.content
         stop = answer.split()[3]
-        cut = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
-                                             temperature=0, stop=[stop])
+        cut = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
+                                             temperature=0, stop=[stop], extra_body=IGNORE_EOS)
+        assert answer.index(stop) > 0, (answer, stop)  # the cut keeps some text
         assert cut.choices[0].finish_reason == "stop"
         assert cut.choices[0].message.content == answer[: answer.index(stop)]
-        info = httpx.get(f"{u}/get_server_info?model={MODEL}", timeout=30).json()
+        info = httpx.get(f"{u}/get_server_info?model={model}", timeout=30).json()
         assert info["stats"]["spec_verify_steps"] > 0, info["stats"]
         assert info["available_tokens"] + info["cache"]["total_tokens"] == info["max_total_tokens"]
