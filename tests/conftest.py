@@ -96,13 +96,17 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def server_url():
     """`genserve serve` on the embedded SmolLM2 alone (16384 KV tokens, no API key), for the
-    genserve.lang programs' HTTP backend and the LLM-only web UI; yields its URL."""
+    genserve.lang programs' HTTP backend and the LLM-only web UI; yields its URL. Pinned to
+    int8wo weights (float32 activations): the precision class `auto` serves a GGUF in, and a
+    decode step reads a quarter of float32's bytes (test_quantization.py holds int8wo to the
+    float32 model's answers)."""
     from tests.needs import smollm2_folder
     from tests.serve_process import serve_process
 
     # Only the embedded SmolLM2 (its GGUF named), not the default second LLM (shapes-vl).
     gguf = smollm2_folder() / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    with serve_process("--model-path", str(gguf), "--max-total-tokens", "16384") as url:
+    with serve_process("--model-path", str(gguf), "--max-total-tokens", "16384",
+                       "--quantization", "int8wo") as url:
         yield url
 
 

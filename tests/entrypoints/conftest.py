@@ -95,12 +95,13 @@ SMOL_API_KEY = "client-api-test-key"
 def smol_api_server() -> Iterator[str]:
     """`genserve serve` on the embedded SmolLM2 alone (4096 KV tokens, `--api-key
     SMOL_API_KEY`), started once for the modules that test a client protocol against it
-    (Anthropic, Ollama, Responses); yields its URL."""
+    (Anthropic, Ollama, Responses); yields its URL. Pinned to int8wo weights, as `server_url`
+    is (tests/conftest.py), for the same reason."""
     from tests.needs import smollm2_folder
     from tests.serve_process import serve_process
 
     with serve_process("--model-path", str(smollm2_folder()), "--max-total-tokens", "4096",
-                       "--api-key", SMOL_API_KEY) as url:
+                       "--api-key", SMOL_API_KEY, "--quantization", "int8wo") as url:
         yield url
 
 

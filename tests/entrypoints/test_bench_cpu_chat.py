@@ -32,7 +32,7 @@ def test_smoke_run_reports_every_side_or_why_it_was_skipped(tmp_path, server_url
                          timeout=900, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(out.read_text())
-    assert summary["genserve"]["quantization"] == "none"
+    assert summary["genserve"]["quantization"] == "int8wo"  # the session server's pin
     assert summary["genserve"]["url"] == server_url
     assert summary["rounds"] == 1 and summary["streams"] == 2 and summary["tokens"] == 4
     ran = [name for name in PEERS if name not in summary["skipped"]]
