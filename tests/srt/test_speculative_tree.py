@@ -12,7 +12,13 @@ import torch
 from genserve import Engine
 from genserve.srt.sampling import SamplingParams
 from genserve.srt.speculative.ngram import NgramProposer, NgramState
-from genserve.srt.speculative.tree import DraftTree, ancestor_mask, merge_candidates, verify_tree
+from genserve.srt.speculative.tree import (
+    DraftTree,
+    ancestor_mask,
+    merge_candidates,
+    verify_tree,
+    walked_len,
+)
 from genserve.srt.speculative.verify import target_probs
 from genserve.srt.tokenizer_manager import make_tokenized_req
 from tests.srt.test_speculative import UnmeasuredCost, repetitive
@@ -80,6 +86,8 @@ def test_ancestor_mask_and_greedy_walk():
         logits[row, best] = 5.0
     greedy = SamplingParams(temperature=0, max_new_tokens=8)
     assert verify_tree(logits, tree, greedy, None) == ([4, 5, 7], [0, 2, 3])
+    assert walked_len(tree, [0, 2, 3]) == 2  # ended at a leaf: nothing rejected
+    assert walked_len(tree, [0, 2]) == 2 and walked_len(tree, [0]) == 1
     logits[0] = -5.0
     logits[0, 2] = 5.0  # no child holds the target's token: only the target's own
     assert verify_tree(logits, tree, greedy, None) == ([2], [0])
@@ -175,6 +183,23 @@ def test_tree_greedy_output_equals_plain_decoding(tiny, plain):
     ):
         assert [i for _, i in g_top] == [i for _, i in w_top]
     engine.check_integrity()
+
+
+def test_tree_greedy_output_with_the_triton_backend(tiny, plain):
+    """The same through the Triton extend kernel's custom mask (under Triton's interpreter on
+    a CPU: tests/conftest.py sets TRITON_INTERPRET=1)."""
+    prompts = [repetitive(i, 30) for i in range(2)]
+    params = {**GREEDY, "max_new_tokens": 24}
+    want = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
+    engine = tree_engine(tiny, attention_backend="triton")
+    try:
+        assert engine.runtime.model_info()["attention_backend"] == "triton"
+        got = engine.generate(input_ids=prompts, sampling_params=params)
+        assert [o["output_ids"] for o in got] == want
+        assert engine.scheduler.stats["spec_tree_verifies"] > 0
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
 
 
 def test_tree_pool_integrity_every_step_and_across_an_abort(tiny, plain):

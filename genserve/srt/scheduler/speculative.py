@@ -29,7 +29,7 @@ from genserve.srt.server_args import EngineArgs
 from genserve.srt.speculative import NgramProposer, can_speculate, verify_draft
 from genserve.srt.speculative.draft import DraftModelProposer
 from genserve.srt.speculative.ngram import ForwardCost, NgramState
-from genserve.srt.speculative.tree import DraftTree, attach_trees, verify_tree
+from genserve.srt.speculative.tree import DraftTree, attach_trees, verify_tree, walked_len
 from genserve.srt.speculative.verify import token_scores
 from genserve.srt.speculative.verify_rows import build_verify_rows, use_verify_rows
 
@@ -199,7 +199,8 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
             elif appended < n:
                 s.allocator.free(slots[start + appended : start + n])
             req.kv_len += appended
-            s.spec.record(req, len(draft), len(tokens) - 1)
+            walked = len(draft) if path is None else walked_len(draft, path)
+            s.spec.record(req, walked, len(tokens) - 1)
             s.stats["spec_draft_tokens"] += len(draft)
             s.stats["spec_accepted_tokens"] += len(tokens) - 1
             s.stats["generated_tokens"] += appended

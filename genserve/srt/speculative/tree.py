@@ -136,6 +136,13 @@ def attach_trees(fb: ForwardBatch, drafts: list[list[int] | DraftTree]) -> None:
     fb.positions, fb.tree_masks = positions, masks
 
 
+def walked_len(tree: DraftTree, rows: list[int]) -> int:
+    """The draft length a tree verify counts as in a request's acceptance record: its accepted
+    nodes, plus one when the walk ended on rejected children (as a chain's verify ends on a
+    rejected token) rather than at a leaf. rows: `verify_tree`'s rows."""
+    return len(rows) - 1 + (1 if tree.children()[rows[-1]] else 0)
+
+
 def verify_tree(
     logits: torch.Tensor, tree: DraftTree, params: SamplingParams, generator: torch.Generator | None
 ) -> tuple[list[int], list[int]]:
