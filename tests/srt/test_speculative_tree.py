@@ -54,6 +54,8 @@ def test_ngram_proposes_a_tree_from_disagreeing_matches():
     assert isinstance(tree, DraftTree) and len(tree) == 6
     paths = {tuple(_path(tree, i)) for i in range(len(tree))}
     assert (3, 4, 6, 0) in paths and (8, 9) in paths
+    # A grammar-constrained request asks for a chain: the best match's, as at breadth one.
+    assert prop.propose(state, prompt, [1, 2], limit=8, tree=False) == [3, 4, 6, 0, 1, 2]
     # While every draft is accepted, the budget goes to the best match's chain.
     assert prop.propose(NgramState(), prompt, [1, 2], limit=8) == [3, 4, 6, 0, 1, 2]
     # Breadth one: today's chain, the most recent longest match.

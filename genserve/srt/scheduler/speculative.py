@@ -80,8 +80,10 @@ class NgramSpeculation:
             # Room for the draft plus the target's token, within max_new_tokens and the context.
             limit = min(req.params.max_new_tokens - len(req.output_ids),
                         context_length - req.seq_len) - 1
+            # Tree verification applies no grammar mask: a constrained request drafts a chain.
+            tree = req.grammar is None and req.params.grammar_key is None
             out.append(self.proposer.propose(req.spec_state, req.origin_input_ids,
-                                             req.output_ids, limit, self.cost.rho))
+                                             req.output_ids, limit, self.cost.rho, tree))
         return out
 
     def record(self, req: Req, proposed: int, accepted: int) -> None:

@@ -57,17 +57,17 @@ class NgramProposer:
         self.breadth = breadth
 
     def propose(self, state: NgramState, prompt: list[int], output: list[int],
-                limit: int, rho: float = 0.0) -> list[int] | DraftTree:
+                limit: int, rho: float = 0.0, tree: bool = True) -> list[int] | DraftTree:
         """Up to min(num_draft_tokens, limit) tokens that followed the longest earlier match of
         the context's last n tokens (the most recent such match), cut to the length that pays
         at extra-token cost `rho` (see `best_draft_len`); [] when none matches or the request
-        is backing off. With a breadth above one, a tree of that many nodes when earlier
-        matches disagree on what follows."""
+        is backing off. With a breadth above one (and `tree`), a tree of that many nodes when
+        earlier matches disagree on what follows."""
         self._sync(state, prompt, output)
         limit = state.draft_len(min(limit, self.num_draft_tokens), rho)
         if limit <= 0:
             return []
-        if self.breadth > 1:
+        if self.breadth > 1 and tree:
             return self._propose_tree(state, limit)
         toks = state.tokens
         for n in range(min(self.max_n, len(toks) - 1), self.min_n - 1, -1):
