@@ -4,11 +4,14 @@
     python benchmarks/bench_speculative.py --draft-tokens 6 --max-tokens 96
     python benchmarks/bench_speculative.py --algorithms ngram,draft --model BIG --draft-model SMALL
     python benchmarks/bench_speculative.py --algorithms ngram,draft --smoke   # a seconds-long check
+    python benchmarks/bench_speculative.py --algorithms ngram,ngram-tree --bfs-breadth 4
 
 Engines on one model (default: the embedded SmolLM2-135M-Instruct), set up as `genserve serve`
 sets it up (`--quantization auto`, compile by default): one plain, and one per algorithm asked
-for: `--speculative-algorithm ngram`, and `draft` with `--draft-model` (default: the target
-itself, which checks the machinery, not the speed: a draft as large as the target never pays).
+for: `--speculative-algorithm ngram`, `ngram-tree` (ngram with draft trees of up to
+`--bfs-breadth` candidates, `--speculative-ngram-max-bfs-breadth`), and `draft` with
+`--draft-model` (default: the target itself, which checks the machinery, not the speed: a
+draft as large as the target never pays).
 Requests run one at a time (a single stream), alternating between the engines, greedy:
 - grounded: 32 chat requests whose answer copies from the prompt (edit this code, extract these
   fields, quote the sentence);
@@ -129,6 +132,9 @@ def run(engines: dict, prompts: list[list[int]], params: dict) -> dict:
 
 def speculative_kwargs(args: argparse.Namespace, algorithm: str) -> dict:
     kw: dict = {"speculative_algorithm": algorithm}
+    if algorithm == "ngram-tree":
+        kw["speculative_algorithm"] = algorithm = "ngram"
+        kw["speculative_ngram_max_bfs_breadth"] = args.bfs_breadth
     if args.draft_tokens:
         kw["speculative_num_draft_tokens"] = args.draft_tokens
     if algorithm == "ngram" and args.min_window:
@@ -143,7 +149,10 @@ def speculative_kwargs(args: argparse.Namespace, algorithm: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--algorithms", default="ngram",
-                    help="comma-separated speculative algorithms to compare: ngram, draft")
+                    help="comma-separated speculative algorithms to compare: ngram, ngram-tree, "
+                         "draft")
+    ap.add_argument("--bfs-breadth", type=int, default=4,
+                    help="ngram-tree: --speculative-ngram-max-bfs-breadth")
     ap.add_argument("--model", default=None, help="target model (default: the embedded one)")
     ap.add_argument("--draft-model", default=None,
                     help="draft: --speculative-draft-model-path (default: the target itself)")
@@ -197,6 +206,7 @@ def main() -> None:
                 "identical_outputs": res["plain"]["outputs"] == res[a]["outputs"],
                 "acceptance": round(accepted / drafted, 3) if drafted else None,
                 "tokens_per_decode_step": round(res[a]["tokens"] / max(1, steps), 2),
+                "tree_verifies": after["spec_tree_verifies"] - before[a]["spec_tree_verifies"],
             }
         print(label, json.dumps(summary[label]), flush=True)
     print(json.dumps(summary, indent=2))

@@ -112,6 +112,11 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
                    help="ngram: shortest context suffix that may match (default 2).")
     g.add_argument("--speculative-ngram-max-match-window-size", type=int, default=None,
                    help="ngram: longest context suffix tried first (default 6).")
+    g.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=None,
+                   help="ngram: most distinct continuations (earlier matches of the context) "
+                        "merged into one draft tree of --speculative-num-draft-tokens nodes "
+                        "and verified in one forward with a tree attention mask (default 1: "
+                        "one chain).")
     g.add_argument("--lora-paths", nargs="+", action="extend", default=None,
                    metavar="NAME=PATH",
                    help="PEFT LoRA adapter folders served at start-up (repeatable). A request "

@@ -66,8 +66,9 @@ def engine_args_from(args: argparse.Namespace, model_path: str | None) -> Any:
                  "quantization", "compile", "compile_warm_up", "tp_size", "speculative_algorithm",
                  "speculative_num_draft_tokens", "speculative_draft_model_path",
                  "speculative_num_steps", "speculative_ngram_min_match_window_size",
-                 "speculative_ngram_max_match_window_size", "max_loaded_loras",
-                 "enable_cuda_graph", "cuda_graph_max_bs", "enable_overlap_schedule"):
+                 "speculative_ngram_max_match_window_size", "speculative_ngram_max_bfs_breadth",
+                 "max_loaded_loras", "enable_cuda_graph", "cuda_graph_max_bs",
+                 "enable_overlap_schedule"):
         value = getattr(args, name, None)
         if value is not None:  # else the runtime's default
             kwargs[name] = value

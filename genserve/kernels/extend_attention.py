@@ -5,7 +5,10 @@ Request b owns the new-token rows [qo_indptr[b], qo_indptr[b + 1]) of q/k/v/o an
 pool slots kv_indices[kv_indptr[b] : kv_indptr[b + 1]]. The prefix keys are gathered from the
 pool; the new keys come from the contiguous k_extend/v_extend (they are also in the pool, but
 reading them densely is cheaper). Token j of the extend part sees every prefix token and the
-extend tokens 0..j.
+extend tokens 0..j, or, with a custom mask (speculative draft trees), the extend tokens its
+mask row allows: request b's mask is custom_mask[mask_indptr[b] : mask_indptr[b + 1]], row-major
+[ext_len, ext_len], nonzero = visible. A mask must stay causal (nothing above the diagonal is
+read); a draft tree's is, since a node comes after its ancestors.
 
 One program per (request, query head, block of BLOCK_M new tokens); flash-attention style
 online softmax over the prefix blocks, then over the causal extend blocks.
@@ -57,6 +60,14 @@ def _attend_block(
 
 
 @triton.jit
+def _load_mask(custom_mask, mask_start, ext_len, offs_m, offs_n, mask_m, mask_n):
+    """[M, N] bool: which extend columns offs_n each extend row offs_m may see."""
+    idx = mask_start + offs_m[:, None].to(tl.int64) * ext_len + offs_n[None, :]
+    seen = tl.load(custom_mask + idx, mask=mask_m[:, None] & mask_n[None, :], other=0)
+    return seen != 0
+
+
+@triton.jit
 def _extend_kernel(
     Q,
     K_ext,
@@ -67,6 +78,8 @@ def _extend_kernel(
     qo_indptr,
     kv_indptr,
     kv_indices,
+    custom_mask,
+    mask_indptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -88,6 +101,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    CUSTOM_MASK: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -136,11 +150,16 @@ def _extend_kernel(
         )
 
     # 2) the new tokens, causally. Columns [0, diag) precede every row of this block and
-    # need no mask; [diag, ext_end) straddle the diagonal (ext_end: this block's last row + 1).
+    # need no mask (but a custom one); [diag, ext_end) straddle the diagonal (ext_end: this
+    # block's last row + 1).
     diag = (m_block * BLOCK_M) // BLOCK_N * BLOCK_N
     ext_end = tl.minimum((m_block + 1) * BLOCK_M, ext_len)
+    mask_start = 0
+    if CUSTOM_MASK:
+        mask_start = tl.load(mask_indptr + b)
     for start in range(0, diag, BLOCK_N):
-        cols = (q_start + start + tl.arange(0, BLOCK_N)).to(tl.int64)
+        offs_n = start + tl.arange(0, BLOCK_N)
+        cols = (q_start + offs_n).to(tl.int64)
         k = tl.load(
             K_ext + cols[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
             mask=mask_d[:, None],
@@ -151,7 +170,13 @@ def _extend_kernel(
             mask=mask_dv[None, :],
             other=0.0,
         )
-        m_i, l_i, acc = _attend_block(q, k, v, None, m_i, l_i, acc, qk_scale, FP32_DOT, False)
+        if CUSTOM_MASK:
+            seen = _load_mask(
+                custom_mask, mask_start, ext_len, offs_m, offs_n, mask_m, offs_n < ext_len
+            )
+            m_i, l_i, acc = _attend_block(q, k, v, seen, m_i, l_i, acc, qk_scale, FP32_DOT, True)
+        else:
+            m_i, l_i, acc = _attend_block(q, k, v, None, m_i, l_i, acc, qk_scale, FP32_DOT, False)
     for start in range(diag, ext_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < ext_end
@@ -167,6 +192,10 @@ def _extend_kernel(
             other=0.0,
         )
         causal = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
+        if CUSTOM_MASK:
+            causal = causal & _load_mask(
+                custom_mask, mask_start, ext_len, offs_m, offs_n, mask_m, mask_n
+            )
         m_i, l_i, acc = _attend_block(q, k, v, causal, m_i, l_i, acc, qk_scale, FP32_DOT, True)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -202,8 +231,11 @@ def extend_attention_fwd(
     kv_indices: torch.Tensor,  # [sum of prefix lens]
     max_extend_len: int,
     sm_scale: float,
+    custom_mask: torch.Tensor | None = None,  # [sum of ext_len^2] bool or uint8, row-major
+    mask_indptr: torch.Tensor | None = None,  # [B + 1], each request's start in custom_mask
 ) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its prefix and themselves.
+    """Causal attention of each request's new tokens over its prefix and themselves (among
+    themselves, where a custom mask is given, only what it allows).
 
     `max_extend_len` must be >= the longest extend part (it sizes the launch grid; callers know
     it on the host). Writes and returns `o_extend`.
@@ -238,6 +270,15 @@ def extend_attention_fwd(
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     batch = qo_indptr.shape[0] - 1
     check_shape("kv_indptr", kv_indptr, (batch + 1,))
+    if (custom_mask is None) != (mask_indptr is None):
+        raise ValueError("custom_mask and mask_indptr go together")
+    if custom_mask is not None and mask_indptr is not None:
+        check_tensor("custom_mask", custom_mask, 1, (torch.bool, torch.uint8), device)
+        check_tensor("mask_indptr", mask_indptr, 1, INDEX_DTYPES, device)
+        check_shape("mask_indptr", mask_indptr, (batch + 1,))
+        if not custom_mask.is_contiguous():
+            raise ValueError("custom_mask must be contiguous")
+        custom_mask = custom_mask.view(torch.uint8)  # Triton loads bytes; bool is one byte
     if batch <= 0 or num_tokens == 0:
         return o_extend
     if max_extend_len <= 0:
@@ -255,6 +296,8 @@ def extend_attention_fwd(
         qo_indptr,
         kv_indptr,
         kv_indices,
+        custom_mask if custom_mask is not None else kv_indices,  # unread without CUSTOM_MASK
+        mask_indptr if mask_indptr is not None else kv_indptr,
         sm_scale * LOG2E,
         q_extend.stride(0),
         q_extend.stride(1),
@@ -276,6 +319,7 @@ def extend_attention_fwd(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         FP32_DOT=use_fp32_dot(q_extend.dtype),
+        CUSTOM_MASK=custom_mask is not None,
         **launch,
     )
     return o_extend
@@ -291,6 +335,8 @@ def extend_attention_ref(
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
     sm_scale: float,
+    custom_mask: torch.Tensor | None = None,
+    mask_indptr: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch extend attention in fp32; returns [T, Hq, Dv] in q's dtype."""
     num_tokens, num_heads, _ = q_extend.shape
@@ -312,6 +358,10 @@ def extend_attention_ref(
         # new token i sees prefix keys and new keys 0..i
         visible = torch.ones(n_new, n_prefix + n_new, dtype=torch.bool, device=k.device)
         visible[:, n_prefix:] = torch.tril(visible[:, n_prefix:])
+        if custom_mask is not None and mask_indptr is not None:
+            lo = int(mask_indptr[b])
+            own = custom_mask[lo : lo + n_new * n_new].view(n_new, n_new).bool()
+            visible[:, n_prefix:] &= own
         scores = scores.masked_fill(~visible, float("-inf"))
         out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q_extend.dtype)
     return out

@@ -54,6 +54,10 @@ class ForwardBatch:
     # Per request: [start, end) sequence positions of image blocks whose tokens attend to each
     # other both ways in this prefill (Gemma 3); None when every token attends causally.
     image_blocks: list[list[tuple[int, int]]] | None = None
+    # Speculative draft trees (`speculative/tree.py`): per request, None (its new tokens attend
+    # causally) or [new, new] bool, new token e seeing new token c where True (the root and
+    # e's ancestors); such a request's `positions` are prefix + depth, not prefix + e.
+    tree_masks: list[torch.Tensor | None] | None = None
     # Multi-LoRA: which rows use which adapter slot (None: the base model for every row).
     lora: LoRABatch | None = None
     # EAGLE speculation (`speculative/eagle.py`): `capture_hidden` asks a Llama-family target

@@ -78,6 +78,10 @@ class EngineArgs:
     speculative_num_steps: int | None = None
     speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 6
+    # ngram: most distinct continuations (earlier matches) merged into one draft tree of
+    # num_draft_tokens nodes, verified in one forward with a tree attention mask (SGLang's
+    # name); 1 = one chain, the most recent longest match.
+    speculative_ngram_max_bfs_breadth: int = 1
     # Serve a registry decoder (Qwen3, Llama...) as a last-token-pooling embedder even when its
     # folder has no sentence-transformers pooling config (SGLang's --is-embedding).
     is_embedding: bool = False
@@ -164,6 +168,12 @@ class EngineArgs:
             raise ValueError("speculative_num_draft_tokens must be in [1, 64], got "
                              f"{self.speculative_num_draft_tokens}")
         self._check_draft_model()
+        if not 1 <= self.speculative_ngram_max_bfs_breadth <= 64:
+            raise ValueError("speculative_ngram_max_bfs_breadth must be in [1, 64], got "
+                             f"{self.speculative_ngram_max_bfs_breadth}")
+        if self.speculative_ngram_max_bfs_breadth > 1 and self.tp_size > 1:
+            raise ValueError("--speculative-ngram-max-bfs-breadth above 1 (draft trees) is not "
+                             "supported with --tp > 1 yet; drop one of them")
         if not (1 <= self.speculative_ngram_min_match_window_size
                 <= self.speculative_ngram_max_match_window_size):
             raise ValueError(

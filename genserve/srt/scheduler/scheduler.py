@@ -103,6 +103,8 @@ class Scheduler:
             "spec_verify_steps": 0,  # decode steps that verified drafts
             "spec_draft_tokens": 0,
             "spec_accepted_tokens": 0,
+            "spec_tree_verifies": 0,  # drafts verified as trees (n-gram breadth > 1)
+            "spec_tree_nodes": 0,
         }
         self.overlap = create_overlap(self)  # None unless --enable-overlap-schedule
 

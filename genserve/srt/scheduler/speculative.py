@@ -3,6 +3,10 @@ forward (each request feeds its last token and its draft, and every position get
 request appends its accepted tokens plus one from the target, and the KV slots of rejected draft
 tokens go back to the free list in the same step.
 
+A draft may be a tree (n-gram with `--speculative-ngram-max-bfs-breadth` above one,
+`speculative/tree.py`): its nodes ride in the same extend with tree positions and masks, and
+the accepted path's slots are moved into the request's req_to_token row in path order.
+
 Requests that cannot speculate (see `can_speculate`) or have no draft ride along as one-token
 extends and are sampled by the plain sampler, so a batch mixes both freely.
 
@@ -25,6 +29,7 @@ from genserve.srt.server_args import EngineArgs
 from genserve.srt.speculative import NgramProposer, can_speculate, verify_draft
 from genserve.srt.speculative.draft import DraftModelProposer
 from genserve.srt.speculative.ngram import ForwardCost, NgramState
+from genserve.srt.speculative.tree import DraftTree, attach_trees, verify_tree, walked_len
 from genserve.srt.speculative.verify import token_scores
 from genserve.srt.speculative.verify_rows import build_verify_rows, use_verify_rows
 
@@ -39,7 +44,7 @@ class Speculation(Protocol):
 
     cost: ForwardCost  # the target's forward costs, measured by the scheduler
 
-    def drafts(self, reqs: list[Req], context_length: int) -> list[list[int]]:
+    def drafts(self, reqs: list[Req], context_length: int) -> list[list[int] | DraftTree]:
         """Each running request's draft for this step ([]: it decodes plainly)."""
 
     def record(self, req: Req, proposed: int, accepted: int) -> None:
@@ -60,11 +65,12 @@ class NgramSpeculation:
             args.speculative_num_draft_tokens,
             args.speculative_ngram_min_match_window_size,
             args.speculative_ngram_max_match_window_size,
+            args.speculative_ngram_max_bfs_breadth,
         )
         self.cost = ForwardCost()
 
-    def drafts(self, reqs: list[Req], context_length: int) -> list[list[int]]:
-        out = []
+    def drafts(self, reqs: list[Req], context_length: int) -> list[list[int] | DraftTree]:
+        out: list[list[int] | DraftTree] = []
         for req in reqs:
             if not can_speculate(req):
                 out.append([])
@@ -74,8 +80,10 @@ class NgramSpeculation:
             # Room for the draft plus the target's token, within max_new_tokens and the context.
             limit = min(req.params.max_new_tokens - len(req.output_ids),
                         context_length - req.seq_len) - 1
+            # Tree verification applies no grammar mask: a constrained request drafts a chain.
+            tree = req.grammar is None and req.params.grammar_key is None
             out.append(self.proposer.propose(req.spec_state, req.origin_input_ids,
-                                             req.output_ids, limit, self.cost.rho))
+                                             req.output_ids, limit, self.cost.rho, tree))
         return out
 
     def record(self, req: Req, proposed: int, accepted: int) -> None:
@@ -134,9 +142,10 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
     for req, draft, n in zip(reqs, drafts, lens, strict=True):
         s.req_to_token_pool.write(req.row, req.kv_len, slots[start : start + n])
         input_ids.append(req.output_ids[-1])  # the last token, which has no KV yet
-        input_ids.extend(draft)
+        input_ids.extend(draft.tokens if isinstance(draft, DraftTree) else draft)
         start += n
-    rows = use_verify_rows(s.runner, len(reqs), need)
+    trees = any(isinstance(d, DraftTree) for d in drafts)
+    rows = not trees and use_verify_rows(s.runner, len(reqs), need)
     if rows:  # one request under --compile: the compiled decode step verifies
         fb = build_verify_rows(s.runner, reqs[0].row, input_ids, reqs[0].kv_len, slots)
     else:
@@ -150,6 +159,8 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
             lora_slots=[r.lora_slot for r in reqs],
         )
         fb.logits_indices = torch.arange(need, dtype=torch.int64, device=s.device)
+        if trees:
+            attach_trees(fb, drafts)
     started = time.perf_counter()
     logits = s.runner.forward(fb, verify_rows=rows)
     s.stats["decode_steps"] += 1
@@ -163,10 +174,16 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
             plain.append(req)
             plain_rows.append(start)
         else:
-            tokens = verify_draft(logits[start : start + n], draft, req.params, req.generator)
+            scored = logits[start : start + n]
+            path = None  # a tree's verify rows that scored the appended tokens
+            if isinstance(draft, DraftTree):
+                tokens, path = verify_tree(scored, draft, req.params, req.generator)
+                scored = scored[path]
+            else:
+                tokens = verify_draft(scored, draft, req.params, req.generator)
             lps, tops = [None] * len(tokens), None
             if req.return_logprob or req.top_logprobs_num > 0:
-                lps, tops = token_scores(logits[start : start + n], tokens, req.top_logprobs_num)
+                lps, tops = token_scores(scored, tokens, req.top_logprobs_num)
             appended = 0
             for j, token in enumerate(tokens):
                 req.append_token(token, s.eos_ids, s.context_length,
@@ -177,10 +194,15 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
                     break
             # KV stays for the last token and the accepted draft tokens now in the sequence;
             # the rest of the draft's slots are free again.
-            req.kv_len += appended
-            if appended < n:
+            if path is not None:
+                keep_tree_path(s, req, slots[start : start + n], path[:appended])
+                s.stats["spec_tree_verifies"] += 1
+                s.stats["spec_tree_nodes"] += len(draft)
+            elif appended < n:
                 s.allocator.free(slots[start + appended : start + n])
-            s.spec.record(req, len(draft), len(tokens) - 1)
+            req.kv_len += appended
+            walked = len(draft) if path is None else walked_len(draft, path)
+            s.spec.record(req, walked, len(tokens) - 1)
             s.stats["spec_draft_tokens"] += len(draft)
             s.stats["spec_accepted_tokens"] += len(tokens) - 1
             s.stats["generated_tokens"] += appended
@@ -190,3 +212,16 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
     s.spec.cost.record_verify(time.perf_counter() - started, need - len(reqs))
     s._end_decode_step(reqs, outputs)
     return True
+
+
+def keep_tree_path(s: Scheduler, req: Req, slots: torch.Tensor, kept: list[int]) -> None:
+    """After a tree verify of `req` (whose KV holds req.kv_len tokens before it): the verify
+    rows `kept` (the root, then the accepted nodes in path order) keep their KV at
+    [kv_len, kv_len + len(kept)) of the request's row; every other row's slot is freed.
+    slots: the verify's slots of this request, [1 + nodes], in row order."""
+    index = torch.tensor(kept, dtype=torch.int64, device=slots.device)
+    s.req_to_token_pool.write(req.row, req.kv_len, slots[index])
+    rejected = torch.ones(slots.shape[0], dtype=torch.bool, device=slots.device)
+    rejected[index] = False
+    if bool(rejected.any()):
+        s.allocator.free(slots[rejected])

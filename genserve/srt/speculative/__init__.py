@@ -1,7 +1,8 @@
 """Speculative decoding: cheap proposals for a request's next tokens, checked by one forward of
 the target model, so a decode step can emit several tokens.
 
-`ngram.py` proposes tokens by prompt lookup (the request's own prompt and output);
+`ngram.py` proposes tokens by prompt lookup (the request's own prompt and output), one chain
+or a tree of several candidates (`tree.py`: the trie, its attention mask and its acceptance);
 `draft.py` by a smaller model with the same tokenizer (loaded by `draft_model.py`), whose KV
 lives in a pool of its own; `adaptive.py` decides per request how long a draft pays and stops
 a request whose drafts keep failing; `verify.py` accepts or rejects them so that greedy output

@@ -12,8 +12,9 @@ always take the padded path (docs/benchmarks.md).
 
 Layers with a sliding window, attention-logit soft-capping (Mistral, Gemma 2/3) or attention
 sinks (GPT-OSS) take the padded path with an explicit mask, as do prefills with image blocks
-that attend both ways (Gemma 3); soft-capping and sinks compute the scores themselves since
-SDPA can neither cap them nor add a column to its softmax.
+that attend both ways (Gemma 3) and speculative draft trees (`ForwardBatch.tree_masks`);
+soft-capping and sinks compute the scores themselves since SDPA can neither cap them nor add a
+column to its softmax.
 """
 
 from __future__ import annotations
@@ -181,18 +182,24 @@ class TorchAttnBackend(AttentionBackend):
             else:
                 keys, values = k_buf.index_select(0, slots), v_buf.index_select(0, slots)
             blocks = fb.image_blocks[i] if fb.image_blocks is not None else None
-            if slots is None and not special and not blocks:
+            tree = fb.tree_masks[i] if fb.tree_masks is not None else None
+            if slots is None and not special and not blocks and tree is None:
                 mask, causal = None, True
             else:
                 # [new, seq_len]: token e (at position prefix + e) sees keys [0, prefix + e]
                 # and, inside an image block, the whole block; in a sliding-window layer only
-                # those of them in (prefix + e - window, ...).
+                # those of them in (prefix + e - window, ...). A draft tree's token sees the
+                # prefix and its ancestors; its position is prefix + its depth.
                 cols = torch.arange(keys.shape[0], device=q.device)
                 rows = torch.arange(n_new, device=q.device) + prefix
                 mask, causal = cols[None, :] <= rows[:, None], False
                 for lo, hi in blocks or ():
                     in_rows, in_cols = (rows >= lo) & (rows < hi), (cols >= lo) & (cols < hi)
                     mask |= in_rows[:, None] & in_cols[None, :]
+                if tree is not None:
+                    mask[:, prefix:] = tree
+                    rows = fb.positions[start:end]
+                    cols = torch.cat([cols[:prefix], rows])
                 if layer.sliding_window is not None:
                     mask &= cols[None, :] > rows[:, None] - layer.sliding_window
             o = _attend(

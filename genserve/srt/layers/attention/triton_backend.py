@@ -2,7 +2,8 @@
 
 Per batch, `init_forward_metadata` flattens the request-to-token rows into kv_indptr/kv_indices
 once; every layer then stores its new K/V with the kv_store kernel and runs split-KV decode
-attention or extend attention over those indices.
+attention or extend attention over those indices. A batch with speculative draft trees
+(`ForwardBatch.tree_masks`) passes the extend kernel their masks, packed once per batch.
 
 A decode batch's split count depends on its batch size and the pool's context width, not on
 its current lengths (the kernel gives each request no more splits than its length needs): the
@@ -39,6 +40,10 @@ class TritonAttnMetadata:
     qo_indptr: torch.Tensor | None  # [batch + 1] int64, EXTEND only
     max_extend_len: int  # EXTEND only (0 in DECODE)
     num_kv_splits: int  # DECODE only (1 in EXTEND)
+    # EXTEND with draft trees only: every request's [new, new] mask, row-major and packed
+    # (causal for requests without a tree), and each one's start in it, [batch + 1].
+    custom_mask: torch.Tensor | None = None
+    mask_indptr: torch.Tensor | None = None
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -78,8 +83,14 @@ class TritonAttnBackend(AttentionBackend):
             return
         qo_indptr = torch.zeros(fb.batch_size + 1, dtype=torch.int64, device=kv_indptr.device)
         torch.cumsum(fb.extend_seq_lens, 0, out=qo_indptr[1:])
+        custom_mask = mask_indptr = None
+        if fb.tree_masks is not None:
+            custom_mask, mask_indptr = _pack_masks(
+                fb.tree_masks, fb.extend_seq_lens_cpu, kv_indptr.device
+            )
+        max_len = max(fb.extend_seq_lens_cpu, default=0)
         self.metadata = TritonAttnMetadata(
-            fb.mode, kv_indptr, kv_indices, qo_indptr, max(fb.extend_seq_lens_cpu, default=0), 1
+            fb.mode, kv_indptr, kv_indices, qo_indptr, max_len, 1, custom_mask, mask_indptr
         )
 
     def _decode_splits(self, fb: ForwardBatch) -> int:
@@ -154,5 +165,18 @@ class TritonAttnBackend(AttentionBackend):
                 meta.kv_indices,
                 meta.max_extend_len,
                 layer.scaling,
+                meta.custom_mask,
+                meta.mask_indptr,
             )
         return out
+
+
+def _pack_masks(
+    masks: list[torch.Tensor | None], lens: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The extend kernel's custom mask: each request's [n, n] mask (causal where None),
+    flattened and concatenated, and each one's start."""
+    causal = lambda n: torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    flat = [(m if m is not None else causal(n)).reshape(-1) for m, n in zip(masks, lens)]
+    starts = torch.tensor([0, *(n * n for n in lens)], dtype=torch.int64).cumsum(0)
+    return torch.cat(flat).contiguous(), starts.to(device)
