@@ -134,15 +134,16 @@ def _pack_rows_lsb_first(values: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(as_u32 >= 2**31, as_u32 - 2**32, as_u32).to(torch.int32)
 
 
-def ct_pack_group(group: int, bits: int = 4, symmetric: bool = True):
+def ct_pack_group(group: int | None, bits: int = 4, symmetric: bool = True):
     """compressed-tensors pack-quantized (W4A16): `weight_packed` int32 [out, in*bits/32],
     `weight_scale` [out, in/group], `weight_shape` [2]; asymmetric adds `weight_zero_point`
-    packed along the output dim."""
+    packed along the output dim. group None: the channel strategy (one group per row)."""
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
 
     def quantize(name, w):
         out, inn = w.shape
-        g = w.reshape(out, inn // group, group)
+        width = inn if group is None else group
+        g = w.reshape(out, inn // width, width)
         if symmetric:
             scale = g.abs().amax(-1) / ((hi - lo) / 2)
             zero = torch.zeros_like(scale)
