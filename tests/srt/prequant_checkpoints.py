@@ -167,6 +167,29 @@ def ct_pack_group(group: int | None, bits: int = 4, symmetric: bool = True):
     return quantize
 
 
+def ct_pack_tensor(symmetric: bool = True):
+    """compressed-tensors pack-quantized int4 with the tensor strategy: one bf16 `weight_scale`
+    [1] for the whole weight; asymmetric adds one unpacked int8 `weight_zero_point` [1]."""
+
+    def quantize(name, w):
+        out, inn = w.shape
+        if symmetric:
+            scale, zero = w.abs().max() / 7.5, torch.tensor(0.0)
+        else:
+            scale = (w.max() - w.min()) / 15
+            zero = torch.round(-8 - w.min() / scale).clamp(-8, 7)
+        scale = scale.to(torch.bfloat16).float()
+        q = torch.round(w / scale + zero).clamp(-8, 7)
+        parts = {".weight_packed": _pack_rows_lsb_first((q + 8).long(), 4),
+                 ".weight_scale": scale.reshape(1).to(torch.bfloat16),
+                 ".weight_shape": torch.tensor([out, inn], dtype=torch.int64)}
+        if not symmetric:
+            parts[".weight_zero_point"] = zero.reshape(1).to(torch.int8)
+        return parts, (q - zero) * scale
+
+    return quantize
+
+
 def _int4_groups(w_t: torch.Tensor, group: int, g_idx: torch.Tensor, sym: bool = False):
     """4-bit quantization of w_t [in, out] in groups of input rows (row i in group g_idx[i]):
     unsigned ints [in, out], zeros and fp16 scales [groups, out]. Asymmetric (a zero per group

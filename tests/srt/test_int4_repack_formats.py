@@ -63,6 +63,15 @@ EXACT = {
     "ct-asym-g64": ct_case(64, False),
     "ct-asym-channel": ct_case(None, False),
     "ct-sym-channel": ct_case(None, True),
+    # One scale (and an unpacked int8 zero point) for the whole weight.
+    "ct-asym-tensor": (
+        pc.ct_config(
+            "pack-quantized",
+            {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "tensor"},
+        ),
+        pc.ct_pack_tensor(symmetric=False),
+        None,
+    ),
 }
 
 
@@ -91,10 +100,15 @@ def stored_groups(folder: Path, module: str, method: str):
     # compressed-tensors: [out, in / 8] along the input, each value + 8
     words = _unsigned(t[module + ".weight_packed"])
     q = torch.stack([(words >> (4 * k)) & 15 for k in range(8)], 2).reshape(words.shape[0], -1)
-    scales = t[module + ".weight_scale"].float().t()  # [groups, out]
-    if module + ".weight_zero_point" not in t:
+    scales = t[module + ".weight_scale"].float()  # [out, groups], or [1]: one for the tensor
+    scales = scales.reshape(-1, 1).expand(q.shape[0], 1) if scales.dim() == 1 else scales
+    scales = scales.t()  # [groups, out]
+    zname = module + ".weight_zero_point"
+    if zname not in t:
         return q, torch.full(scales.shape, 8, dtype=torch.long), scales
-    zwords = _unsigned(t[module + ".weight_zero_point"])  # [out / 8, groups] along the output
+    if t[zname].dtype == torch.int8:  # unpacked, as stored: zero (no offset)
+        return q, (t[zname].long() + 8).expand(scales.shape), scales
+    zwords = _unsigned(t[zname])  # [out / 8, groups] along the output
     zeros = torch.stack([(zwords >> (4 * k)) & 15 for k in range(8)], 1)
     return q, zeros.reshape(-1, zwords.shape[1]).t(), scales
 
