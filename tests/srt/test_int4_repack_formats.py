@@ -270,7 +270,8 @@ def test_malformed_packed_shapes_stop_the_load_naming_the_tensor(
     variant, tensor, shape, plain, tmp_path
 ):
     """A packed tensor whose shape disagrees with its companions or the config stops the int4wo
-    load (the repacking path) with a ValueError naming it, as the dequantizing path does."""
+    load (the repacking path) with a ValueError naming it, as the dequantizing path does; an
+    engine under `auto` (`genserve serve`'s default, the repacking path) does not start."""
     qconfig, quantize, _ = EXACT[variant]
     quantized, _ = pc.write_pair(plain, tmp_path, qconfig, quantize, dense=False)
     tensors = load_file(str(quantized / "model.safetensors"))
@@ -279,3 +280,5 @@ def test_malformed_packed_shapes_stop_the_load_naming_the_tensor(
     for mode in ("int4wo", "none"):
         with pytest.raises(ValueError, match=re.escape(tensor) + " has shape"):
             _load(quantized, quantization=lambda m, mode=mode: mode)
+    with pytest.raises(ValueError, match=re.escape(tensor) + " has shape"):
+        Engine(str(quantized), quantization="auto", compile=False, max_total_tokens=512)
