@@ -9,7 +9,10 @@ Three checkpoints of the same random model (Llama layout) are written once by a 
 - `fp8`: the decoder's linear weights in float8_e4m3fn with 128x128 blocks of
   `weight_scale_inv` (the DeepSeek / Qwen3-FP8 layout), the rest bf16;
 - `gptq`: the decoder's linear weights as 4-bit GPTQ (qweight / qzeros / scales / g_idx, group
-  128), the rest bf16. Its integers are random: only sizes matter here.
+  128), the rest bf16. Its integers are random: only sizes matter here;
+- `awq`: the same as 4-bit AWQ GEMM (qweight / qzeros packed along the output, scales, group
+  128); `ct-w4a16`: as compressed-tensors pack-quantized int4 (weight_packed / weight_scale /
+  weight_shape, symmetric, group 128).
 Each measured load runs in a fresh child: it imports torch, genserve and torchao, records its
 resident set size (the baseline), loads, and reports its peak RSS (getrusage maxrss). Quantized
 loads build the model in float32, the dtype a quantized model is served in on a CPU. (`--smoke`
@@ -21,9 +24,10 @@ not its figures.) Loaders:
   the whole state dict loaded with `safetensors.torch.load_file`, copied in, cast to bf16;
 - `genserve` (fp8, gptq): what `--quantization auto` does with them (`choose_quantization`
   from the checkpoint's precision class): fp8 as int8 weights, each linear layer dequantized
-  and quantized as soon as it is loaded; this GPTQ checkpoint as int4wo, its 4-bit groups
-  repacked as stored (`layers/prequantized/int4_repack.py`);
-- `genserve_int8wo` (gptq): `--quantization int8wo` (each layer dequantized, then int8);
+  and quantized as soon as it is loaded; the GPTQ, AWQ and compressed-tensors checkpoints as
+  int4wo, their 4-bit groups repacked as stored (`layers/prequantized/int4_repack.py`);
+- `genserve_int8wo` (gptq, awq, ct-w4a16): `--quantization int8wo` (each layer dequantized,
+  then int8);
 - `quantize_after` (fp8, gptq): the whole model dequantized into bf16 first, then quantized
   (genserve's path before layer-by-layer quantization).
 """
@@ -122,6 +126,10 @@ def write_quantized(plain: Path, out: Path, fmt: str) -> None:
 
     weights = load_file(str(plain / "model.safetensors"))
     g = torch.Generator().manual_seed(1)
+
+    def words(*shape: int) -> torch.Tensor:  # random 4-bit values, eight to an int32
+        return torch.randint(-(2**31), 2**31 - 1, shape, generator=g, dtype=torch.int32)
+
     stored: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
         if ".layers." not in name or not name.endswith("_proj.weight"):
@@ -132,22 +140,45 @@ def write_quantized(plain: Path, out: Path, fmt: str) -> None:
             stored[name] = (w.float() * 100).to(torch.float8_e4m3fn)
             grid = (-(-rows // 128), -(-cols // 128))
             stored[module + ".weight_scale_inv"] = torch.full(grid, 0.01)
-        else:  # gptq, group 128: [in/8, out] words, [groups, out/8] zeros, [groups, out] scales
+        elif fmt == "gptq":  # [in/8, out] words, [groups, out/8] zeros, [groups, out] scales
             groups = cols // 128
-            stored[module + ".qweight"] = torch.randint(
-                -(2**31), 2**31 - 1, (cols // 8, rows), generator=g, dtype=torch.int32)
+            stored[module + ".qweight"] = words(cols // 8, rows)
             stored[module + ".qzeros"] = torch.full((groups, rows // 8), 0x77777777,
                                                     dtype=torch.int32)
             stored[module + ".scales"] = torch.full((groups, rows), 0.002, dtype=torch.float16)
             stored[module + ".g_idx"] = (torch.arange(cols) // 128).to(torch.int32)
+        elif fmt == "awq":  # [in, out/8] words, [groups, out/8] zeros, [groups, out] scales
+            groups = cols // 128
+            stored[module + ".qweight"] = words(cols, rows // 8)
+            stored[module + ".qzeros"] = torch.full((groups, rows // 8), 0x77777777,
+                                                    dtype=torch.int32)
+            stored[module + ".scales"] = torch.full((groups, rows), 0.002, dtype=torch.float16)
+        else:  # ct-w4a16: [out, in/8] words, [out, groups] scales, the [out, in] shape
+            stored[module + ".weight_packed"] = words(rows, cols // 8)
+            stored[module + ".weight_scale"] = torch.full((rows, cols // 128), 0.002,
+                                                          dtype=torch.bfloat16)
+            stored[module + ".weight_shape"] = torch.tensor([rows, cols])
     del weights
-    qc = ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-          if fmt == "fp8" else
-          {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True})
     cfg = json.loads((plain / "config.json").read_text())
     out.mkdir()
-    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": QCONFIGS[fmt]}))
     save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+QCONFIGS = {
+    "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128]},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+             "sym": True},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+            "version": "gemm"},
+    "ct-w4a16": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                 "ignore": ["lm_head"], "config_groups": {"group_0": {
+                     "targets": ["Linear"], "format": "pack-quantized",
+                     "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                 "strategy": "group", "group_size": 128}}}},
+}
+QUANTIZED = tuple(QCONFIGS)
 
 
 def measure(folder: Path, loader: str) -> dict:
@@ -195,7 +226,7 @@ def write_all(plain: Path, size: dict, formats: list[str]) -> int:
     """The plain checkpoint in `plain`, then the quantized ones of `formats` beside it; its
     parameter count."""
     parameters = write_checkpoint(plain, size)
-    for fmt in [f for f in ("fp8", "gptq") if f in formats]:
+    for fmt in [f for f in QUANTIZED if f in formats]:
         write_quantized(plain, plain.parent / fmt, fmt)
     return parameters
 
@@ -223,13 +254,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--formats", nargs="+", choices=("bf16", "fp8", "gptq"),
+    ap.add_argument("--formats", nargs="+", choices=("bf16", *QUANTIZED),
                     default=["bf16", "fp8", "gptq"], help="checkpoints to measure")
     args = ap.parse_args()
     size = SIZES["smoke" if args.smoke else "default"]
     ctx = child_context(args.smoke)
     runs = {"bf16": ("genserve", "naive"), "fp8": ("genserve", "quantize_after"),
-            "gptq": ("genserve", "genserve_int8wo", "quantize_after")}
+            "gptq": ("genserve", "genserve_int8wo", "quantize_after"),
+            "awq": ("genserve", "genserve_int8wo"), "ct-w4a16": ("genserve", "genserve_int8wo")}
     runs = {fmt: loaders for fmt, loaders in runs.items() if fmt in args.formats}
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -259,7 +291,7 @@ def main() -> None:
         for loader in loaders:
             r = results[fmt][loader]
             print(
-                f"{fmt:5s} {ckpt / 2**20:5.0f} MiB {loader:15s} {r['mode'] or '':6s} baseline "
+                f"{fmt:8s} {ckpt / 2**20:5.0f} MiB {loader:15s} {r['mode'] or '':6s} baseline "
                 f"{r['baseline_rss'] / 2**20:6.0f} MiB  peak {r['peak_rss'] / 2**20:6.0f} MiB  "
                 f"peak/ckpt {r['peak_over_checkpoint']:.2f}  "
                 f"(peak - baseline)/ckpt {r['load_delta_over_checkpoint']:.2f}"

@@ -398,7 +398,7 @@ def load_checkpoint(model: CausalLM, folder: Path,
     peak is the model plus the largest tensor. A pre-quantized checkpoint (`quantization_config`,
     layers/prequantized/) comes in one linear layer at a time after the rest
     (`prequantized_loader`): dequantized, or under `weight_only` "int4wo" on a CPU its 4-bit
-    groups repacked as stored (GPTQ).
+    groups repacked as stored (GPTQ, AWQ, compressed-tensors int4).
     on_linear_loaded: see `CausalLM.load_checkpoint` (the model's full-precision storage is
     allocated but untouched until written, so a layer quantized as soon as it is whole keeps
     the peak near the quantized model's size).

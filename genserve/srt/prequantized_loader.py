@@ -3,7 +3,8 @@ time (`model_loader.load_checkpoint` reads everything else first).
 
 Each layer's stored tensors (every shard of a fused one) are read, then either repacked as they
 are into an int4wo layer (`layers/prequantized/int4_repack.py`: when the layers are to run as
-int4wo on a CPU and the format stores 4-bit groups the kernel holds) or dequantized into float32
+int4wo on a CPU and the format stores 4-bit groups the kernel holds: GPTQ, AWQ, compressed-
+tensors pack-quantized int4) or dequantized into float32
 and written into the model's weight in the serving dtype, where `on_linear_loaded` quantizes it
 by `--quantization`. The peak is the model plus one layer's stored tensors, and its float32
 weight on the dequantizing path only.
@@ -12,6 +13,7 @@ weight on the dequantizing path only.
 from __future__ import annotations
 
 import io
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +21,8 @@ import torch
 from torch import nn
 
 from genserve.srt.model_loader import TensorEntry, read_tensor
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from genserve.srt.layers.prequantized import CheckpointQuantization, QuantizedWeight
@@ -47,6 +51,11 @@ def load_quantized_weights(
             parts[role] = read_tensor(handles[path], e)
         return parts
 
+    why_not = scheme.int4_refusal() if scheme.auto_class == "int4" else None
+    if repack is None and why_not is not None:
+        logger.info("%s: its 4-bit groups are not repacked into int4wo (%s): each layer is "
+                    "dequantized once, then quantized by --quantization", scheme.describe(),
+                    why_not)
     try:
         if repack is None:  # one weight at a time: the lowest peak
             for qw in quantized:

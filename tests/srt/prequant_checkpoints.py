@@ -134,15 +134,16 @@ def _pack_rows_lsb_first(values: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(as_u32 >= 2**31, as_u32 - 2**32, as_u32).to(torch.int32)
 
 
-def ct_pack_group(group: int, bits: int = 4, symmetric: bool = True):
+def ct_pack_group(group: int | None, bits: int = 4, symmetric: bool = True):
     """compressed-tensors pack-quantized (W4A16): `weight_packed` int32 [out, in*bits/32],
     `weight_scale` [out, in/group], `weight_shape` [2]; asymmetric adds `weight_zero_point`
-    packed along the output dim."""
+    packed along the output dim. group None: the channel strategy (one group per row)."""
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
 
     def quantize(name, w):
         out, inn = w.shape
-        g = w.reshape(out, inn // group, group)
+        width = inn if group is None else group
+        g = w.reshape(out, inn // width, width)
         if symmetric:
             scale = g.abs().amax(-1) / ((hi - lo) / 2)
             zero = torch.zeros_like(scale)
@@ -162,6 +163,29 @@ def ct_pack_group(group: int, bits: int = 4, symmetric: bool = True):
             parts[".weight_zero_point"] = _pack_rows_lsb_first(
                 (zero.t() + offset).long(), bits).t().contiguous()
         return parts, deq
+
+    return quantize
+
+
+def ct_pack_tensor(symmetric: bool = True):
+    """compressed-tensors pack-quantized int4 with the tensor strategy: one bf16 `weight_scale`
+    [1] for the whole weight; asymmetric adds one unpacked int8 `weight_zero_point` [1]."""
+
+    def quantize(name, w):
+        out, inn = w.shape
+        if symmetric:
+            scale, zero = w.abs().max() / 7.5, torch.tensor(0.0)
+        else:
+            scale = (w.max() - w.min()) / 15
+            zero = torch.round(-8 - w.min() / scale).clamp(-8, 7)
+        scale = scale.to(torch.bfloat16).float()
+        q = torch.round(w / scale + zero).clamp(-8, 7)
+        parts = {".weight_packed": _pack_rows_lsb_first((q + 8).long(), 4),
+                 ".weight_scale": scale.reshape(1).to(torch.bfloat16),
+                 ".weight_shape": torch.tensor([out, inn], dtype=torch.int64)}
+        if not symmetric:
+            parts[".weight_zero_point"] = zero.reshape(1).to(torch.int8)
+        return parts, (q - zero) * scale
 
     return quantize
 

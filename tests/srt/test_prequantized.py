@@ -302,13 +302,15 @@ def test_kv_cache_scales_are_read_past(plain, tmp_path):
 
 @pytest.mark.parametrize("case, precision, mode", [
     ("ct-w8a8-int8", "int8", "int8wo"), ("fp8-block", "int8", "int8wo"),
-    ("gptq", "int4-exact", "int4wo"), ("gptq-desc-act", "int4", "int8wo")])
+    ("gptq", "int4-exact", "int4wo"), ("gptq-desc-act", "int4", "int8wo"),
+    ("awq", "int4-exact", "int4wo"), ("ct-w4a16", "int4-exact", "int4wo")])
 def test_auto_runs_a_prequantized_checkpoint_in_its_precision_class(case, precision, mode, plain,
                                                                     tmp_path):
     """`--quantization auto` keeps a pre-quantized checkpoint's precision class the way it does a
     GGUF's: int8 weights (float32 around them on a CPU), where a full-precision folder stays
-    as it is; GPTQ groups that int4wo holds as stored are served as int4wo (repacked: tokens
-    in tests/srt/test_gptq_repack.py), act-order ones as int8wo."""
+    as it is; GPTQ, AWQ and compressed-tensors int4 groups that int4wo holds as stored are
+    served as int4wo (repacked: tests/srt/test_gptq_repack.py, test_int4_repack_formats.py),
+    act-order ones as int8wo."""
     from genserve.srt.layers.prequantized import precision_class
 
     arch, quantize, qconfig, _ = CASES[case]

@@ -19,9 +19,11 @@ GGUF does not run as int4wo under `auto`: re-quantizing its de-quantized weights
 97% teacher-forced top-1 agreement on SmolLM2 but changed its greedy answer to "What is the
 capital of France?" (tests/srt/test_quantization.py), where int8wo keeps it; int4wo stays
 available on request. The exception is a checkpoint whose 4-bit groups int4wo holds as stored
-(`EXACT_INT4`: GPTQ without act-order): on a CPU its layers are repacked, not requantized
-(`prequantized/int4_repack.py`), so int4wo serves the checkpoint's own weights and `auto` picks
-it (tests/srt/test_gptq_repack.py holds it to the agreement bar, against int8wo).
+(`EXACT_INT4`: GPTQ without act-order, AWQ, compressed-tensors int4 in groups of a multiple
+of 32): on a CPU its layers are repacked, not requantized (`prequantized/int4_repack.py`), so
+int4wo serves the checkpoint's own weights and `auto` picks it (tests/srt/test_gptq_repack.py
+holds it to the agreement bar, against int8wo; tests/srt/test_int4_repack_formats.py checks
+AWQ and compressed-tensors).
 """
 
 from __future__ import annotations
@@ -239,8 +241,9 @@ def choose_quantization(
     """Resolve `auto` (and check an explicit mode) for this model on this device.
 
     `source_class`: "int8" / "int4" for a GGUF or a pre-quantized checkpoint stored in that
-    precision class, `EXACT_INT4` for 4-bit groups that int4wo holds as stored (GPTQ: on a
-    CPU the loader repacks them, `int4_repack`), None for a full-precision checkpoint."""
+    precision class, `EXACT_INT4` for 4-bit groups that int4wo holds as stored (GPTQ, AWQ,
+    compressed-tensors int4: on a CPU the loader repacks them, `int4_repack`), None for a
+    full-precision checkpoint."""
     if requested not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {requested!r}")
     if requested != "auto":

@@ -8,10 +8,10 @@ time and writes it into the serving dtype, so every family in the registry loads
 and the peak stays the model plus one layer's tensors.
 
 The weights then run like any checkpoint's, on every device, through `--quantization`
-(`precision_class` is what `auto` keeps: int8wo, as for a quantized GGUF, or int4wo for GPTQ
-groups that int4wo holds as stored, which an int4wo load on a CPU repacks without dequantizing,
-`int4_repack`): activations are not
-quantized and the KV cache stays in the serving dtype (`activation_scheme`, input and KV-cache
+(`precision_class` is what `auto` keeps: int8wo, as for a quantized GGUF, or int4wo for GPTQ,
+AWQ and compressed-tensors int4 groups that int4wo holds as stored, which an int4wo load on a
+CPU repacks without dequantizing, `int4_repack`): activations are not quantized and the KV
+cache stays in the serving dtype (`activation_scheme`, input and KV-cache
 scales, activation configs and `kv_cache_scheme` are read past).
 
 Supported: `fp8` (float8_e4m3fn weights with a per-tensor scale or `weight_block_size` blocks of
@@ -66,7 +66,8 @@ def checkpoint_quantization(hf_config: dict[str, Any]) -> CheckpointQuantization
 def precision_class(folder: Path) -> str | None:
     """"int4" / "int8" for a pre-quantized checkpoint whose weights are stored in at most 4 / 8
     bits (what `--quantization auto` runs it as, like a GGUF of that class), "int4-exact"
-    (`EXACT_INT4`) for 4-bit groups that int4wo holds as stored (GPTQ), None for a
+    (`EXACT_INT4`) for 4-bit groups that int4wo holds as stored (`int4_refusal` None: GPTQ,
+    AWQ, compressed-tensors pack-quantized int4, in the variants each names), None for a
     full-precision one (or a folder without config.json) and for a format that `auto` keeps as
     loaded (mxfp4)."""
     path = Path(folder) / "config.json"

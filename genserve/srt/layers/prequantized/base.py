@@ -52,15 +52,23 @@ class CheckpointQuantization(ABC):
 
     method: str
     bits: int  # the widest stored weight: what `--quantization auto` keeps (precision_class)
-    # Whether `int4_groups` gives the stored groups (an int4wo load repacks them).
+    # Whether `int4_groups` can give stored groups (an int4wo load on a CPU tries to repack
+    # each layer: `int4_repack.Int4Repack`).
     stores_int4_groups: bool = False
 
     @property
     def auto_class(self) -> str | None:
         """The precision class `--quantization auto` runs the model in: "int4" / "int8" from the
         widest stored weight (as for a GGUF), `EXACT_INT4` for 4-bit groups that int4wo holds as
-        stored, None to keep it as loaded."""
-        return "int4" if self.bits <= 4 else "int8"
+        stored (`int4_refusal` None), None to keep it as loaded."""
+        if self.bits > 4:
+            return "int8"
+        return EXACT_INT4 if self.int4_refusal() is None else "int4"
+
+    def int4_refusal(self) -> str | None:
+        """Why int4wo cannot hold this checkpoint's 4-bit groups as they are stored (what its
+        config says; a layer may still be refused: `Int4Repack.refusal`), None when it can."""
+        return "a format without 4-bit groups"
 
     @abstractmethod
     def describe(self) -> str:
@@ -77,10 +85,19 @@ class CheckpointQuantization(ABC):
         when their dtypes or shapes disagree with each other or with the config."""
 
     def int4_groups(self, qw: QuantizedWeight, tensors: dict[str, torch.Tensor]
-                    ) -> Int4Groups | None:
+                    ) -> Int4Groups | str:
         """The stored 4-bit groups as they are, for a repack into int4wo without dequantizing
-        (`int4_repack`); None for a format that has none."""
+        (`int4_repack`), or why this weight has none that int4wo holds (it is dequantized).
+        ValueError, naming the tensor, when the stored tensors disagree with the config."""
+        return "a format without 4-bit groups"
+
+
+def int4_group_refusal(group_size: int) -> str | None:
+    """Why int4wo's kernel groups (32 / 64 / 128 wide) cannot split checkpoint groups of
+    `group_size` (-1: one per row, which they can), None when they can."""
+    if group_size == -1 or group_size % 32 == 0:
         return None
+    return f"groups of {group_size}, which no int4 kernel group of 32 / 64 / 128 divides"
 
 
 def refuse(method: str, what: str) -> ValueError:

@@ -8,13 +8,13 @@ from typing import Any
 import torch
 
 from genserve.srt.layers.prequantized.base import (
-    EXACT_INT4,
     CheckpointQuantization,
     Int4Groups,
     QuantizedWeight,
     as_int,
     check_dtype,
     collect,
+    int4_group_refusal,
     refuse,
     unpack_words,
 )
@@ -76,13 +76,13 @@ class GPTQ(_Int4Packed):
     def describe(self) -> str:
         return f"gptq (int4, group {self.group_size}, desc_act {self.desc_act})"
 
-    @property
-    def auto_class(self) -> str | None:
-        """"int4-exact" where int4wo holds the stored groups as they are (no act-order, groups
-        a multiple of 32 wide or one per row): `--quantization auto` then repacks the layers
-        into int4wo instead of requantizing them to int8wo."""
-        exact = not self.desc_act and (self.group_size == -1 or self.group_size % 32 == 0)
-        return EXACT_INT4 if exact else "int4"
+    def int4_refusal(self) -> str | None:
+        """int4wo holds the stored groups as they are without act-order, in groups a multiple
+        of 32 wide or one per row: `--quantization auto` then repacks the layers into int4wo
+        ("int4-exact") instead of requantizing them to int8wo."""
+        if self.desc_act:
+            return "act-order groups (desc_act)"
+        return int4_group_refusal(self.group_size)
 
     def int4_groups(self, qw: QuantizedWeight, tensors: dict[str, torch.Tensor]) -> Int4Groups:
         """The stored 4-bit groups without dequantizing them (`int4_repack`); ValueError as
@@ -133,9 +133,15 @@ _AWQ_REVERSE = tuple(_AWQ_ORDER.index(k) for k in range(8))
 
 class AWQ(_Int4Packed):
     """`quant_method: awq`, version gemm: qweight [in, out / 8] and qzeros [groups, out / 8]
-    packed along the output in AWQ's interleaved order, scales [groups, out]."""
+    packed along the output in AWQ's interleaved order, scales [groups, out]; the zeros are
+    stored as they are (no offset).
+
+    int4wo holds it as stored (`int4_refusal` None, "int4-exact" under `auto`) in groups a
+    multiple of 32 wide, AWQ's 64 and 128 among them: its groups are always contiguous. Other
+    group sizes are dequantized once and quantized by `--quantization`."""
 
     method = "awq"
+    stores_int4_groups = True
 
     def __init__(self, qc: dict[str, Any]) -> None:
         super().__init__(qc)
@@ -150,7 +156,33 @@ class AWQ(_Int4Packed):
     def describe(self) -> str:
         return f"awq (int4 gemm, group {self.group_size})"
 
+    def int4_refusal(self) -> str | None:
+        return int4_group_refusal(self.group_size)
+
+    def int4_groups(self, qw: QuantizedWeight, tensors: dict[str, torch.Tensor]
+                    ) -> Int4Groups | str:
+        """The stored groups re-read along the input (`int4_repack`'s words), the integers
+        untouched; ValueError as `dequantize` when the tensors disagree with the config."""
+        qweight, inn, _ = self._checked(qw, tensors)
+        if (why := self.int4_refusal()) is not None:
+            return why
+        if inn % 8:
+            return f"an input width of {inn}, no multiple of 8"
+        return Int4Groups(words=_awq_words_by_row(qweight),
+                          zeros=unpack_words(tensors["qzeros"], 4, 1, _AWQ_REVERSE).int(),
+                          scales=tensors["scales"].float(), group_size=self.group_size,
+                          ordered=True)
+
     def dequantize(self, qw, tensors):
+        qweight, inn, _ = self._checked(qw, tensors)
+        q = unpack_words(qweight, 4, 1, _AWQ_REVERSE)  # [in, out]
+        zeros = unpack_words(tensors["qzeros"], 4, 1, _AWQ_REVERSE)
+        g_idx = torch.arange(inn) // self.group_size
+        return q.sub_(zeros[g_idx]).mul_(tensors["scales"].float()[g_idx]).t()
+
+    def _checked(self, qw: QuantizedWeight, tensors: dict[str, torch.Tensor]
+                 ) -> tuple[torch.Tensor, int, int]:
+        """(qweight, in, out), the shapes checked."""
         qweight = tensors["qweight"]
         if qweight.dim() != 2:
             raise ValueError(f"{qw.parts['qweight']} has shape {tuple(qweight.shape)}; 2-D")
@@ -159,7 +191,24 @@ class AWQ(_Int4Packed):
         self._check(qw, tensors, "qweight", (inn, out // 8))
         self._check(qw, tensors, "scales", (groups, out))
         self._check(qw, tensors, "qzeros", (groups, out // 8))
-        q = unpack_words(qweight, 4, 1, _AWQ_REVERSE)  # [in, out]
-        zeros = unpack_words(tensors["qzeros"], 4, 1, _AWQ_REVERSE)
-        g_idx = torch.arange(inn) // self.group_size
-        return q.sub_(zeros[g_idx]).mul_(tensors["scales"].float()[g_idx]).t()
+        return qweight, inn, out
+
+
+# Output columns converted at a time by `_awq_words_by_row`: bounds its int64 transient.
+_AWQ_COLUMNS = 256
+
+
+def _awq_words_by_row(qweight: torch.Tensor) -> torch.Tensor:
+    """AWQ's qweight [in, out / 8] (eight outputs of one input to a word, interleaved) as words
+    [out, in / 8] holding eight inputs of one output, low bits first; in a multiple of 8."""
+    inn, out = qweight.shape[0], qweight.shape[1] * 8
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    words = torch.empty(out, inn // 8, dtype=torch.int32)
+    step = _AWQ_COLUMNS // 8
+    for c in range(0, qweight.shape[1], step):
+        q = unpack_words(qweight[:, c : c + step], 4, 1, _AWQ_REVERSE).long()  # [in, cols]
+        by_row = q.t().reshape(q.shape[1], inn // 8, 8) << shifts  # [cols, in / 8, 8]
+        packed = by_row.sum(-1)  # the eight nibbles are disjoint bits: the sum is their OR
+        words[c * 8 : c * 8 + q.shape[1]] = torch.where(
+            packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return words

@@ -1,22 +1,32 @@
 """A checkpoint's 4-bit groups repacked straight into int4wo's CPU layout, never dequantized.
 
-GPTQ stores each weight as (q - zero) * scale: q unsigned 4-bit, an integer zero and a float16
-scale per group of `group_size` input columns. The CPU int4 kernel int4wo runs
-(`aten._weight_int4pack_mm_for_cpu`, inside torchao's `Int4OpaqueTensor`) computes
-(q - 8) * scale' + zero' from q packed by `aten._convert_weight_to_int4pack_for_cpu` and
-[in / g, out, 2] scales and zeros in the activation dtype, g one of 32 / 64 / 128. So the stored
-q go in unchanged, scale' = scale and zero' = (8 - zero) * scale; a checkpoint group G columns
-wide is G / g kernel groups with its scale and zero (g the widest kernel group dividing both G
-and the layer width; G = -1, one group per row, alike). What rounds is scale' and zero' into
-bfloat16: a symmetric checkpoint's zero' is 0 and each weight is then within one bfloat16
-rounding of its stored value, where a requantization moves every weight onto a new grid.
+GPTQ, AWQ and compressed-tensors' pack-quantized int4 all store a weight as (q - zero) * scale:
+q a 4-bit integer, an integer zero and a float16 / bfloat16 scale per group of `group_size`
+input columns (compressed-tensors stores a signed q and zero as q + 8 and zero + 8, which is
+the same difference). Each format's `int4_groups` unpacks its own layout (GPTQ's words along
+the input, AWQ's interleaved words along the output, compressed-tensors' rows) into one
+`Int4Groups`: words [out, in / 8], unsigned q, integer zeros, scales.
+
+The CPU int4 kernel int4wo runs (`aten._weight_int4pack_mm_for_cpu`, inside torchao's
+`Int4OpaqueTensor`) computes (q - 8) * scale' + zero' from q packed by
+`aten._convert_weight_to_int4pack_for_cpu` and [in / g, out, 2] scales and zeros, g one of
+32 / 64 / 128. So the stored q go in unchanged, scale' = scale and zero' = (8 - zero) * scale;
+a checkpoint group G columns wide is G / g kernel groups with its scale and zero (g the widest
+kernel group dividing both G and the layer width; one group per row alike). In float32 this is
+the format's own dequantization bit for bit when the scales are 16-bit floats: every product of
+a 4-bit integer and an 11-bit mantissa, and their sum, is exact. The kernel then takes scale'
+and zero' in the activation dtype (bfloat16): a symmetric checkpoint's zero' is 0 and its
+weights stay exact for bfloat16 scales, else each weight is within one bfloat16 rounding of its
+stored value, where a requantization moves every weight onto a new grid.
 
 A layer is repacked whole (every shard of a fused q/k/v or gate/up), one at a time: its packed
 words, zeros and scales are the only copies, half a byte per weight. A layer that cannot be is
 dequantized as before (`CheckpointQuantization.dequantize`) and quantized by `--quantization`,
 the reason logged: act-order groups (a `g_idx` that permutes them; the kernel's groups are
 contiguous), a group size no kernel group divides, a weight that is not a plain linear layer's
-(MoE expert stacks), a fused layer with a shard stored some other way.
+(MoE expert stacks), a fused layer with a shard stored some other way, and what the format
+itself says (`int4_groups`: a compressed-tensors scheme other than int4 group / channel /
+tensor scales, for one).
 """
 
 from __future__ import annotations
@@ -87,14 +97,16 @@ class Int4Repack:
         self.repacked = 0
         self.refused: dict[str, int] = {}
 
-    def refusal(self, module_name: str, shards: list[tuple[Any, Int4Groups | None]]) -> str | None:
+    def refusal(self, module_name: str, shards: list[tuple[Any, Int4Groups | str]]) -> str | None:
         """Why the layer `module_name` is not repacked from these shards ((shard id or None for
-        the whole weight, its groups)), None when it is. No side effects."""
+        the whole weight, its groups or the format's reason it has none)), None when it is.
+        No side effects."""
         module = self.modules.get(module_name)
         if not isinstance(module, nn.Linear) or getattr(module, "sources", None) is not None:
             return "not a whole linear layer"  # (an expert stack, a tensor-parallel share)
-        if any(groups is None for _, groups in shards):
-            return "a format without 4-bit groups"
+        for _, groups in shards:
+            if isinstance(groups, str):
+                return groups
         want = set(getattr(module, "shard_offsets", None) or {None})
         got = {shard for shard, _ in shards}
         if None not in got and got != want:
