@@ -103,6 +103,7 @@ class Scheduler:
             "spec_verify_steps": 0,  # decode steps that verified drafts
             "spec_draft_tokens": 0,
             "spec_accepted_tokens": 0,
+            "spec_grammar_cut_tokens": 0,  # drafted tokens a grammar ruled out before verify
         }
         self.overlap = create_overlap(self)  # None unless --enable-overlap-schedule
 

@@ -24,6 +24,11 @@ from genserve.srt.scheduler.sample_step import sample_step
 from genserve.srt.server_args import EngineArgs
 from genserve.srt.speculative import NgramProposer, can_speculate, verify_draft
 from genserve.srt.speculative.draft import DraftModelProposer
+from genserve.srt.speculative.grammar_verify import (
+    ConstrainedDrafts,
+    append_verified,
+    masked_rows,
+)
 from genserve.srt.speculative.ngram import ForwardCost, NgramState
 from genserve.srt.speculative.verify import token_scores
 from genserve.srt.speculative.verify_rows import build_verify_rows, use_verify_rows
@@ -121,7 +126,12 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
     if not s._fit_running(outputs):
         return True  # a lone request that cannot fit has ended
     reqs = s.running
-    drafts = s.spec.drafts(reqs, s.context_length)
+    checked = ConstrainedDrafts(s, reqs, s.spec.drafts(reqs, s.context_length))
+    drafts = checked.drafts
+    for req, draft, judged in zip(reqs, drafts, checked.judged, strict=True):
+        if judged and not draft:  # the grammar rejects its first token: a miss
+            s.spec.record(req, judged, 0)
+    s.stats["spec_grammar_cut_tokens"] += checked.cut_tokens
     if not any(drafts):
         return False
     lens = [1 + len(d) for d in drafts]
@@ -157,30 +167,27 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
     plain: list[Req] = []
     plain_rows: list[int] = []
     start = 0
-    for req, draft, n in zip(reqs, drafts, lens, strict=True):
+    for req, draft, judged, mask, n in zip(reqs, drafts, checked.judged, checked.masks, lens,
+                                           strict=True):
         if not draft:
             req.kv_len += 1
             plain.append(req)
             plain_rows.append(start)
         else:
-            tokens = verify_draft(logits[start : start + n], draft, req.params, req.generator)
+            rows_logits = logits[start : start + n]
+            # Grammar masks apply to the choice, not to the reported logprobs (as plain).
+            chosen = rows_logits if mask is None else masked_rows(rows_logits, mask)
+            tokens = verify_draft(chosen, draft, req.params, req.generator)
             lps, tops = [None] * len(tokens), None
             if req.return_logprob or req.top_logprobs_num > 0:
-                lps, tops = token_scores(logits[start : start + n], tokens, req.top_logprobs_num)
-            appended = 0
-            for j, token in enumerate(tokens):
-                req.append_token(token, s.eos_ids, s.context_length,
-                                 lps[j] if req.return_logprob else None,
-                                 tops[j] if tops is not None else None)
-                appended += 1
-                if req.finished:
-                    break
+                lps, tops = token_scores(rows_logits, tokens, req.top_logprobs_num)
+            appended = append_verified(s, req, tokens, lps, tops)
             # KV stays for the last token and the accepted draft tokens now in the sequence;
             # the rest of the draft's slots are free again.
             req.kv_len += appended
             if appended < n:
                 s.allocator.free(slots[start + appended : start + n])
-            s.spec.record(req, len(draft), len(tokens) - 1)
+            s.spec.record(req, judged, len(tokens) - 1)
             s.stats["spec_draft_tokens"] += len(draft)
             s.stats["spec_accepted_tokens"] += len(tokens) - 1
             s.stats["generated_tokens"] += appended
