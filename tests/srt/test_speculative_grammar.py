@@ -181,6 +181,30 @@ def test_ngram_greedy_constrained_equals_plain(ngram, plain):
     assert ngram.scheduler.stats["jump_forward_tokens"] > 0
 
 
+def test_constrained_requests_end_inside_accepted_drafts(ngram, plain):
+    """A length cap and a stop string that fall inside the speculated tokens end the request
+    where plain decoding ends it."""
+    texts = prompts(ngram)
+    per_req = [
+        {**JSON_PARAMS, "max_new_tokens": 9},
+        {**REGEX_PARAMS, "stop": "8901"},
+        {**REGEX_PARAMS, "max_new_tokens": 6},
+    ]
+    batch = [texts["json"], texts["regex"], texts["regex"]]
+    want = plain.generate(batch, per_req)
+    before = dict(ngram.scheduler.stats)
+    got = ngram.generate(batch, per_req)
+    assert spec_delta(ngram, before)["spec_accepted_tokens"] > 0
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert [g["meta_info"]["finish_reason"] for g in got] == [
+        w["meta_info"]["finish_reason"] for w in want
+    ]
+    assert len(got[0]["output_ids"]) == 9 and len(got[2]["output_ids"]) == 6
+    assert got[1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": "8901"}
+    assert got[1]["text"] == "123-4567-"
+    ngram.check_integrity()
+
+
 def test_ngram_without_jump_forward_verifies_through_forced_text(smollm_folder):
     plain = Engine(str(smollm_folder), dtype="float32", max_total_tokens=4096, jump_forward=False)
     engine = spec_engine(smollm_folder, "ngram", jump_forward=False)
