@@ -15,7 +15,9 @@ draft as large as the target never pays).
 Requests run one at a time (a single stream), alternating between the engines, greedy:
 - grounded: 32 chat requests whose answer copies from the prompt (edit this code, extract these
   fields, quote the sentence);
-- free: 16 free-form chat requests (stories, explanations).
+- free: 16 free-form chat requests (stories, explanations);
+- structured (not run unless `--sets` names it): 16 grammar-constrained requests, the
+  extraction prompts under a JSON schema and the quoting prompts under a one-sentence regex.
 Reports output tokens/s (prefill included, the same on every side), each algorithm's speed-up
 and whether every output is identical to plain decoding. Prints a JSON summary. `--smoke`: two
 requests per workload, 16 tokens, float32, no quantization or compile.
@@ -109,21 +111,42 @@ def grounded_prompts() -> list[str]:
     return out
 
 
+CONTACT_SCHEMA = json.dumps({
+    "type": "object",
+    "properties": {k: {"type": "string", "maxLength": 60}
+                   for k in ("name", "email", "phone", "city")},
+    "required": ["name", "email", "phone", "city"],
+    "additionalProperties": False,
+})
+SENTENCE_REGEX = r"[A-Z][^.\n]{0,200}\."
+
+
+def structured_requests() -> list[tuple[str, dict]]:
+    """(prompt, grammar parameter) of the structured set: extraction as JSON, quoting."""
+    grounded = grounded_prompts()
+    extract = [(t, {"json_schema": CONTACT_SCHEMA}) for t in grounded[16:24]]
+    quote = [(t, {"regex": SENTENCE_REGEX}) for t in grounded[24:32]]
+    return extract + quote
+
+
 def chat_ids(tokenizer, prompt: str) -> list[int]:
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                          tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def run(engines: dict, prompts: list[list[int]], params: dict) -> dict:
-    """Rotate the engines' order request by request; totals per engine."""
+def run(engines: dict, prompts: list[list[int]], params: dict,
+        extra: list[dict] | None = None) -> dict:
+    """Rotate the engines' order request by request; totals per engine. extra: each request's
+    own sampling parameters on top of `params` (a grammar)."""
     res = {name: {"tokens": 0, "seconds": 0.0, "outputs": []} for name in engines}
     for i, ids in enumerate(prompts):
         order = list(engines.items())
         order = order[i % len(order):] + order[: i % len(order)]  # nobody always runs first
+        req_params = {**params, **(extra[i] if extra else {})}
         for name, engine in order:
             start = time.perf_counter()
-            out = engine.generate(input_ids=ids, sampling_params=params)
+            out = engine.generate(input_ids=ids, sampling_params=req_params)
             res[name]["seconds"] += time.perf_counter() - start
             res[name]["tokens"] += len(out["output_ids"])
             res[name]["outputs"].append(out["output_ids"])
@@ -159,7 +182,8 @@ def main() -> None:
     ap.add_argument("--draft-tokens", type=int, default=None)
     ap.add_argument("--min-window", type=int, default=None,
                     help="--speculative-ngram-min-match-window-size (default: the runtime's)")
-    ap.add_argument("--sets", default="grounded,free", help="which workloads to run")
+    ap.add_argument("--sets", default="grounded,free",
+                    help="which workloads to run: grounded, free, structured")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--dtype", default="auto",
@@ -183,16 +207,19 @@ def main() -> None:
         engines[algorithm] = Engine(args.model, **common, **speculative_kwargs(args, algorithm))
     tok = engines["plain"].tokenizer
     params = {"max_new_tokens": args.max_tokens, "temperature": 0}
-    sets = {"grounded": grounded_prompts(), "free": FREE * 2}
+    structured = structured_requests()
+    sets = {"grounded": (grounded_prompts(), None), "free": (FREE * 2, None),
+            "structured": ([t for t, _ in structured], [g for _, g in structured])}
     sets = {k: v for k, v in sets.items() if k in args.sets.split(",")}
     summary: dict = {"quantization": engines["plain"].server_info().get("quantization"),
                      "compile": engines["plain"].server_info().get("compile")}
-    for label, texts in sets.items():
+    for label, (texts, extra) in sets.items():
         ids = [chat_ids(tok, t) for t in texts[: args.limit]]
+        extra = extra[: args.limit] if extra else None
         # One warm-up request per engine (first-call allocations, compile).
         run(engines, ids[:1], {"max_new_tokens": 8, "temperature": 0})
         before = {a: dict(engines[a].server_info()["stats"]) for a in algorithms}
-        res = run(engines, ids, params)
+        res = run(engines, ids, params, extra)
         rate = {k: v["tokens"] / v["seconds"] for k, v in res.items()}
         summary[label] = {"requests": len(ids), "plain_tok_s": round(rate["plain"], 1)}
         for a in algorithms:
@@ -200,6 +227,7 @@ def main() -> None:
             drafted = after["spec_draft_tokens"] - before[a]["spec_draft_tokens"]
             accepted = after["spec_accepted_tokens"] - before[a]["spec_accepted_tokens"]
             steps = after["decode_steps"] - before[a]["decode_steps"]
+            cut = after["spec_grammar_cut_tokens"] - before[a]["spec_grammar_cut_tokens"]
             summary[label][a] = {
                 "tok_s": round(rate[a], 1),
                 "speedup": round(rate[a] / rate["plain"], 3),
@@ -207,6 +235,7 @@ def main() -> None:
                 "acceptance": round(accepted / drafted, 3) if drafted else None,
                 "tokens_per_decode_step": round(res[a]["tokens"] / max(1, steps), 2),
                 "tree_verifies": after["spec_tree_verifies"] - before[a]["spec_tree_verifies"],
+                "grammar_cut_tokens": cut,
             }
         print(label, json.dumps(summary[label]), flush=True)
     print(json.dumps(summary, indent=2))

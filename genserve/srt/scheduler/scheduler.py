@@ -105,6 +105,7 @@ class Scheduler:
             "spec_accepted_tokens": 0,
             "spec_tree_verifies": 0,  # drafts verified as trees (n-gram breadth > 1)
             "spec_tree_nodes": 0,
+            "spec_grammar_cut_tokens": 0,  # drafted tokens a grammar ruled out before verify
         }
         self.overlap = create_overlap(self)  # None unless --enable-overlap-schedule
 

@@ -28,6 +28,11 @@ from genserve.srt.scheduler.sample_step import sample_step
 from genserve.srt.server_args import EngineArgs
 from genserve.srt.speculative import NgramProposer, can_speculate, verify_draft
 from genserve.srt.speculative.draft import DraftModelProposer
+from genserve.srt.speculative.grammar_verify import (
+    ConstrainedDrafts,
+    append_verified,
+    masked_rows,
+)
 from genserve.srt.speculative.ngram import ForwardCost, NgramState
 from genserve.srt.speculative.tree import DraftTree, attach_trees, verify_tree, walked_len
 from genserve.srt.speculative.verify import token_scores
@@ -129,7 +134,12 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
     if not s._fit_running(outputs):
         return True  # a lone request that cannot fit has ended
     reqs = s.running
-    drafts = s.spec.drafts(reqs, s.context_length)
+    checked = ConstrainedDrafts(s, reqs, s.spec.drafts(reqs, s.context_length))
+    drafts = checked.drafts
+    for req, draft, judged in zip(reqs, drafts, checked.judged, strict=True):
+        if judged and not draft:  # the grammar rejects its first token: a miss
+            s.spec.record(req, judged, 0)
+    s.stats["spec_grammar_cut_tokens"] += checked.cut_tokens
     if not any(drafts):
         return False
     lens = [1 + len(d) for d in drafts]
@@ -168,7 +178,8 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
     plain: list[Req] = []
     plain_rows: list[int] = []
     start = 0
-    for req, draft, n in zip(reqs, drafts, lens, strict=True):
+    for req, draft, judged, mask, n in zip(reqs, drafts, checked.judged, checked.masks, lens,
+                                           strict=True):
         if not draft:
             req.kv_len += 1
             plain.append(req)
@@ -176,22 +187,17 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
         else:
             scored = logits[start : start + n]
             path = None  # a tree's verify rows that scored the appended tokens
-            if isinstance(draft, DraftTree):
+            if isinstance(draft, DraftTree):  # never a grammar request's: they draft chains
                 tokens, path = verify_tree(scored, draft, req.params, req.generator)
                 scored = scored[path]
             else:
-                tokens = verify_draft(scored, draft, req.params, req.generator)
+                # Grammar masks apply to the choice, not to the reported logprobs (as plain).
+                chosen = scored if mask is None else masked_rows(scored, mask)
+                tokens = verify_draft(chosen, draft, req.params, req.generator)
             lps, tops = [None] * len(tokens), None
             if req.return_logprob or req.top_logprobs_num > 0:
                 lps, tops = token_scores(scored, tokens, req.top_logprobs_num)
-            appended = 0
-            for j, token in enumerate(tokens):
-                req.append_token(token, s.eos_ids, s.context_length,
-                                 lps[j] if req.return_logprob else None,
-                                 tops[j] if tops is not None else None)
-                appended += 1
-                if req.finished:
-                    break
+            appended = append_verified(s, req, tokens, lps, tops)
             # KV stays for the last token and the accepted draft tokens now in the sequence;
             # the rest of the draft's slots are free again.
             if path is not None:
@@ -201,7 +207,7 @@ def run_speculative_decode(s: Scheduler, outputs: list[ReqOutput]) -> bool:
             elif appended < n:
                 s.allocator.free(slots[start + appended : start + n])
             req.kv_len += appended
-            walked = len(draft) if path is None else walked_len(draft, path)
+            walked = judged if path is None else walked_len(draft, path)
             s.spec.record(req, walked, len(tokens) - 1)
             s.stats["spec_draft_tokens"] += len(draft)
             s.stats["spec_accepted_tokens"] += len(tokens) - 1

@@ -6,7 +6,8 @@ or a tree of several candidates (`tree.py`: the trie, its attention mask and its
 `draft.py` by a smaller model with the same tokenizer (loaded by `draft_model.py`), whose KV
 lives in a pool of its own; `adaptive.py` decides per request how long a draft pays and stops
 a request whose drafts keep failing; `verify.py` accepts or rejects them so that greedy output
-is unchanged and sampled output keeps the target distribution; the scheduler
+is unchanged and sampled output keeps the target distribution; `grammar_verify.py` cuts a
+constrained request's draft at its grammar and masks each verify row; the scheduler
 (`scheduler/speculative.py`) runs the verify forward and returns rejected tokens' KV slots.
 """
 

@@ -27,15 +27,14 @@ from genserve.srt.sampling.sampling_params import SamplingParams
 
 def can_speculate(req: Any) -> bool:
     """Whether a request's next tokens can be verified in bulk: its per-token sampling must not
-    depend on the tokens drafted before it in the same step (grammar state, penalties, the
-    min_new_tokens mask), and no chosen-token scores are asked for (token_ids_logprob).
+    depend on the tokens drafted before it in the same step other than through its grammar
+    (penalties, the min_new_tokens mask), and no chosen-token scores are asked for
+    (token_ids_logprob). A grammar's masks are built per verify row (`grammar_verify.py`).
     Logprobs and top logprobs come from the verify's rows (`token_scores`). Others decode
     plainly, in the same forward."""
     p: SamplingParams = req.params
     return (
-        req.grammar is None
-        and p.grammar_key is None
-        and not req.token_ids_logprob
+        not req.token_ids_logprob
         and not p.needs_penalties
         and not p.logit_bias
         and len(req.output_ids) >= p.min_new_tokens
