@@ -142,9 +142,8 @@ def test_video_model_films_through_the_client(name, client, tmp_path):
     video = client.videos.create(
         model=name, prompt="a bird", size="32x32", extra_body={**FAST, "num_frames": frames}
     )
-    for _ in range(600):
-        if video.status in ("completed", "failed"):
-            break
+    deadline = time.monotonic() + 300  # a backstop against a hang, not a speed bound
+    while video.status not in ("completed", "failed") and time.monotonic() < deadline:
         time.sleep(0.05)
         video = client.videos.retrieve(video.id)
     assert video.status == "completed", video
