@@ -24,6 +24,13 @@ of 32): on a CPU its layers are repacked, not requantized (`prequantized/int4_re
 int4wo serves the checkpoint's own weights and `auto` picks it (tests/srt/test_gptq_repack.py
 holds it to the agreement bar, against int8wo; tests/srt/test_int4_repack_formats.py checks
 AWQ and compressed-tensors).
+
+`fp8` keeps an FP8 checkpoint's float8 weights with per-tensor or per-channel scales as stored
+(`prequantized/fp8_keep.py`; `_scaled_mm` with per-token float8 activations,
+`fp8_linear.py`); the layers it has no float8 weights for stay in the serving dtype. `auto`
+picks it for such a checkpoint on CUDA; on a CPU torch's `_scaled_mm` is far slower than
+int8wo's kernel, so `auto` keeps int8wo there. Block-wise FP8 is refused under `fp8` (its
+scales vary along the input, row-wise scales cannot hold them) and dequantized under `auto`.
 """
 
 from __future__ import annotations
