@@ -194,3 +194,10 @@ def test_auto_picks_fp8_on_cuda_only(plain, tmp_path):
     assert choose_quantization("auto", "int8", model, cuda).mode == "int8wo"
     with pytest.raises(ValueError, match="precision class int8"):
         choose_quantization("fp8", "int8", model, cuda)
+
+
+def test_fp8_is_refused_under_tensor_parallelism():
+    from genserve.srt.server_args import EngineArgs
+
+    with pytest.raises(ValueError, match="fp8 is not supported with --tp > 1"):
+        EngineArgs(tp_size=2, quantization="fp8")
