@@ -7,6 +7,8 @@ is a FAILED row with the error's last line, and the run goes on):
   device       the card's name, memory and peak bandwidth
   cuda_tests   the CUDA-only tests (`pytest -m gpu`)
   attention    Triton decode and extend attention vs torch SDPA (benchmarks/bench_kernels.py)
+  fp8          an FP8 checkpoint's linears kept in float8 (torch._scaled_mm, per-token
+               activations) vs dequantized once into bf16, Qwen2.5-0.5B-shaped, 1..2048 tokens
   llm          a random-weight Llama-3-8B-shaped bf16 model on the shared-prefix workload
                through the offline engine (benchmarks/bench_offline.py), torch vs triton;
                CUDA graphs on vs off, and the overlap schedule on vs off, at batch-1 decode
@@ -17,8 +19,8 @@ is a FAILED row with the error's last line, and the run goes on):
                measured weights and DiT peak, its KV pool allocated beside them
 Random weights at real shapes measure speed without downloads. `--dry-run` runs every step at toy
 sizes on the CPU (no CUDA call), so a broken import or argument shows before a GPU is lent.
-The steps are in device_check_llm.py and device_check_diffusion.py; the full run's budgets add up
-to under 8 minutes.
+The steps are in device_check_llm.py, device_check_fp8.py and device_check_diffusion.py; the
+run stops at under 8 minutes (TOTAL_BUDGET_S), each step within its own budget.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ STEPS = (
     Step("device", "device_check_llm", 25, "the card"),
     Step("cuda_tests", "device_check_llm", 95, "the CUDA-only tests"),
     Step("attention", "device_check_llm", 50, "Triton attention vs torch SDPA"),
+    Step("fp8", "device_check_fp8", 30, "fp8 _scaled_mm vs dequantized bf16, 0.5B layer"),
     Step("llm", "device_check_llm", 115, "Llama-3-8B-shaped model, offline engine"),
     Step("flux", "device_check_diffusion", 65, "FLUX.1-shaped transformer step"),
     Step("video", "device_check_diffusion", 75, "Helios-shaped streaming video"),

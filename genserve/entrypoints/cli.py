@@ -32,8 +32,10 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
     g.add_argument("--quantization", default="auto", choices=llm_args.QUANTIZATIONS,
                    help="Weight-only quantization of the linear layers (torchao). auto "
-                        "(default) runs a quantized GGUF as int8wo and leaves full-precision "
-                        "checkpoints as they are.")
+                        "(default) runs a quantized GGUF as int8wo, an FP8 checkpoint as fp8 "
+                        "on CUDA, and leaves full-precision checkpoints as they are. fp8 keeps "
+                        "an FP8 checkpoint's float8 weights (per-tensor or per-channel "
+                        "scales) and runs them with torch._scaled_mm.")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the batch-1 decode step (needs a C++ compiler on CPU): "
                         "one chat streams faster, compiling adds minutes to start-up "

@@ -179,7 +179,7 @@ def llm_engine_args(args: argparse.Namespace, path: str | None) -> Any:
         engine_args = dataclasses.replace(engine_args, compile_warm_up="background")
     row = row_for_path(path)
     if (not args.model_path and row is not None and not row.quantizable
-            and engine_args.quantization in ("int8wo", "int4wo")):
+            and engine_args.quantization in ("int8wo", "int4wo", "fp8")):
         logger.info("%s (%s) runs unquantized: --quantization %s applies to text models",
                     row.name, row.summary, engine_args.quantization)
         engine_args = dataclasses.replace(engine_args, quantization="none")

@@ -241,7 +241,7 @@ class EncoderRuntime:
 
         if args.tp_size > 1:
             raise ValueError("--tp is not supported for encoder models")
-        if args.quantization in ("int8wo", "int4wo"):
+        if args.quantization in ("int8wo", "int4wo", "fp8"):
             raise ValueError(f"--quantization {args.quantization} is not supported for encoder "
                              "models; use --quantization none")
         device = resolve_device(args.device)

@@ -110,12 +110,12 @@ def build_runtime(
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     source_precision = None
-    if args.quantization == "auto":
+    if args.quantization in ("auto", "fp8"):
         gguf = gguf_path_of(args.model_path)
         source_precision = gguf_precision_class(gguf) if gguf is not None else None
     args = _quantized_cpu_dtype(args, source_precision)
     folder, name = resolve_model_folder(args.model_path, args.dtype, args.device)
-    if args.quantization == "auto" and source_precision is None:
+    if args.quantization in ("auto", "fp8") and source_precision is None:
         # A pre-quantized folder (its dtype only matters from here on: no conversion).
         source_precision = precision_class(folder)
         args = _quantized_cpu_dtype(args, source_precision)
@@ -200,7 +200,7 @@ def _quantized_cpu_dtype(args: EngineArgs, source_precision: str | None) -> Engi
     matmuls take bfloat16 activations inside them whatever the model's dtype, and the rest of
     the model in float32 kept SmolLM2's teacher-forced agreement with its unquantized weights
     above 95% (in bfloat16 it fell under it) at the same decode speed (docs/benchmarks.md)."""
-    quantized = args.quantization in ("int8wo", "int4wo") or (
+    quantized = args.quantization in ("int8wo", "int4wo", "fp8") or (
         args.quantization == "auto" and source_precision is not None
     )
     if args.dtype != "auto" or not quantized or resolve_device(args.device).type != "cpu":

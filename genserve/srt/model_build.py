@@ -52,7 +52,9 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model)
     elif mode != "none" and type(model).load_checkpoint is CausalLM.load_checkpoint:
-        if device.type == "cpu" and (tp is None or tp.size == 1):
+        if device.type == "cpu" and (tp is None or tp.size == 1) and mode != "fp8":
+            # (fp8 leaves the layers it does not keep in float8 as they are: in the model's
+            # dtype)
             keep_checkpoint_dtype(model, folder)
         model.load_checkpoint(folder, on_linear_loaded=functools.partial(
             quantize_linear, model, mode=mode), weight_only=mode)

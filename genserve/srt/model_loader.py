@@ -398,13 +398,15 @@ def load_checkpoint(model: CausalLM, folder: Path,
     peak is the model plus the largest tensor. A pre-quantized checkpoint (`quantization_config`,
     layers/prequantized/) comes in one linear layer at a time after the rest
     (`prequantized_loader`): dequantized, or under `weight_only` "int4wo" on a CPU its 4-bit
-    groups repacked as stored (GPTQ, AWQ, compressed-tensors int4).
+    groups repacked as stored (GPTQ, AWQ, compressed-tensors int4), under "fp8" its float8
+    weights kept as stored.
     on_linear_loaded: see `CausalLM.load_checkpoint` (the model's full-precision storage is
     allocated but untouched until written, so a layer quantized as soon as it is whole keeps
     the peak near the quantized model's size).
     weight_only: the mode `on_linear_loaded` quantizes the linear layers into.
     """
     from genserve.srt.layers.prequantized import checkpoint_quantization
+    from genserve.srt.layers.prequantized.fp8_keep import FP8Keep
     from genserve.srt.layers.prequantized.int4_repack import Int4Repack
     from genserve.srt.prequantized_loader import load_quantized_weights
 
@@ -425,6 +427,8 @@ def load_checkpoint(model: CausalLM, folder: Path,
         on_cpu = all(p.device.type == "cpu" for p in model.parameters())
         repack = (Int4Repack(model) if weight_only == "int4wo" and on_cpu
                   and scheme.stores_int4_groups else None)
+        if weight_only == "fp8":
+            repack = FP8Keep(model)
         load_quantized_weights(loader, scheme, quantized, files, repack)
     loader.finish()
 

@@ -4,7 +4,9 @@ time (`model_loader.load_checkpoint` reads everything else first).
 Each layer's stored tensors (every shard of a fused one) are read, then either repacked as they
 are into an int4wo layer (`layers/prequantized/int4_repack.py`: when the layers are to run as
 int4wo on a CPU and the format stores 4-bit groups the kernel holds: GPTQ, AWQ, compressed-
-tensors pack-quantized int4) or dequantized into float32
+tensors pack-quantized int4), kept as stored in an fp8 layer (`layers/prequantized/fp8_keep.py`:
+under `--quantization fp8`, float8 weights with per-tensor or per-channel scales) or
+dequantized into float32
 and written into the model's weight in the serving dtype, where `on_linear_loaded` quantizes it
 by `--quantization`. The peak is the model plus one layer's stored tensors, and its float32
 weight on the dequantizing path only.
@@ -26,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from genserve.srt.layers.prequantized import CheckpointQuantization, QuantizedWeight
+    from genserve.srt.layers.prequantized.fp8_keep import FP8Keep
     from genserve.srt.layers.prequantized.int4_repack import Int4Repack
     from genserve.srt.models.base import WeightLoader
 
@@ -35,10 +38,11 @@ def load_quantized_weights(
     scheme: CheckpointQuantization,
     quantized: list[QuantizedWeight],
     files: list[tuple[Path, list[TensorEntry]]],
-    repack: Int4Repack | None = None,
+    repack: Int4Repack | FP8Keep | None = None,
 ) -> None:
     """Rebuild each quantized weight from its stored tensors into the model: through `repack`
-    where it takes the layer, else dequantized and written in the serving dtype."""
+    where it takes the layer (int4wo's groups, fp8's float8 rows), else dequantized and
+    written in the serving dtype."""
     where = {e.name: (path, e) for path, entries in files for e in entries}
     handles: dict[Path, io.FileIO] = {}
 
@@ -92,7 +96,7 @@ def _by_layer(
 def _repacked(
     loader: WeightLoader,
     scheme: CheckpointQuantization,
-    repack: Int4Repack,
+    repack: Int4Repack | FP8Keep,
     module_name: str | None,
     layer: list[tuple[QuantizedWeight, Any]],
     stored: list[dict[str, torch.Tensor]],
@@ -102,16 +106,16 @@ def _repacked(
     if module_name is None:
         return False
     shards = [
-        (shard, scheme.int4_groups(qw, parts))
+        (shard, repack.stored(scheme, qw, parts))
         for (qw, shard), parts in zip(layer, stored, strict=True)
     ]
     why = repack.refusal(module_name, shards)
     if why is not None:
         repack.refuse(why)
         return False
-    for (qw, _), (_, groups) in zip(layer, shards, strict=True):
+    for (qw, _), (_, form) in zip(layer, shards, strict=True):
         # Checks the shape and records the weight as loaded; nothing is written into it.
-        loader.destination(qw.name, (groups.words.shape[0], groups.words.shape[1] * 8))
+        loader.destination(qw.name, repack.shape(form))
     repack.install(module_name, shards)
     for qw, _ in layer:
         loader.written(qw.name)  # the layer is whole: its unread weight is freed

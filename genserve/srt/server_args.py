@@ -9,7 +9,7 @@ ATTENTION_BACKENDS = ("torch", "triton")
 KERNELS = ("torch", "triton")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
-QUANTIZATIONS = ("none", "int8wo", "int4wo", "auto")
+QUANTIZATIONS = ("none", "int8wo", "int4wo", "fp8", "auto")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft", "eagle")
 LOAD_FORMATS = ("auto", "dummy")
 # How decode graphs are captured: "cuda" (torch.cuda.CUDAGraph); "eager" runs the same static
@@ -47,8 +47,10 @@ class EngineArgs:
     grammar_compile_timeout_s: float = 30.0  # a grammar still compiling after this is a 400
     # Append the text a grammar forces without decode steps (one extend computes its KV).
     jump_forward: bool = True
-    # Weight-only quantization of the linear layers (torchao): none | int8wo | int4wo | auto
-    # (auto keeps a GGUF's precision class and leaves full-precision checkpoints as they are;
+    # Weight-only quantization of the linear layers (torchao): none | int8wo | int4wo | auto,
+    # or fp8: an FP8 checkpoint's float8 weights kept as stored (torch._scaled_mm)
+    # (auto keeps a GGUF's precision class, picks fp8 for an FP8 checkpoint on CUDA, and
+    # leaves full-precision checkpoints as they are;
     # `genserve serve` defaults to auto, the Engine to none: exact Hugging Face outputs).
     quantization: str = "none"
     # torch.compile the batch-1 decode forward (needs a C++ compiler on CPU); compiled at
@@ -180,7 +182,7 @@ class EngineArgs:
                 "speculative n-gram match windows need 1 <= min <= max, got "
                 f"{self.speculative_ngram_min_match_window_size} and "
                 f"{self.speculative_ngram_max_match_window_size}")
-        if self.tp_size > 1 and self.quantization in ("int8wo", "int4wo"):
+        if self.tp_size > 1 and self.quantization in ("int8wo", "int4wo", "fp8"):
             raise ValueError(
                 f"--quantization {self.quantization} is not supported with --tp > 1; "
                 "use --quantization none"

@@ -302,6 +302,7 @@ def test_kv_cache_scales_are_read_past(plain, tmp_path):
 
 @pytest.mark.parametrize("case, precision, mode", [
     ("ct-w8a8-int8", "int8", "int8wo"), ("fp8-block", "int8", "int8wo"),
+    ("fp8-tensor", "fp8", "int8wo"),  # fp8 (kept in float8) is auto's choice on CUDA only
     ("gptq", "int4-exact", "int4wo"), ("gptq-desc-act", "int4", "int8wo"),
     ("awq", "int4-exact", "int4wo"), ("ct-w4a16", "int4-exact", "int4wo")])
 def test_auto_runs_a_prequantized_checkpoint_in_its_precision_class(case, precision, mode, plain,

@@ -24,6 +24,13 @@ of 32): on a CPU its layers are repacked, not requantized (`prequantized/int4_re
 int4wo serves the checkpoint's own weights and `auto` picks it (tests/srt/test_gptq_repack.py
 holds it to the agreement bar, against int8wo; tests/srt/test_int4_repack_formats.py checks
 AWQ and compressed-tensors).
+
+`fp8` keeps an FP8 checkpoint's float8 weights with per-tensor or per-channel scales as stored
+(`prequantized/fp8_keep.py`; `_scaled_mm` with per-token float8 activations,
+`fp8_linear.py`); the layers it has no float8 weights for stay in the serving dtype. `auto`
+picks it for such a checkpoint on CUDA; on a CPU torch's `_scaled_mm` is far slower than
+int8wo's kernel, so `auto` keeps int8wo there. Block-wise FP8 is refused under `fp8` (its
+scales vary along the input, row-wise scales cannot hold them) and dequantized under `auto`.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from genserve.srt.layers.prequantized.base import EXACT_INT4
+from genserve.srt.layers.fp8_linear import fp8_linear, pad_to_16, scaled_mm_refusal
+from genserve.srt.layers.prequantized.base import EXACT_INT4, FP8_CLASS
 from genserve.srt.server_args import QUANTIZATIONS
 
 logger = logging.getLogger(__name__)
@@ -49,7 +57,7 @@ _INT8_ROWS_PER_CHUNK = 2048
 class QuantizationChoice:
     """The mode a model runs in and why (the reason goes to the start-up log)."""
 
-    mode: str  # none | int8wo | int4wo
+    mode: str  # none | int8wo | int4wo | fp8
     reason: str
 
 
@@ -68,8 +76,9 @@ def int4_group_size(in_features: int) -> int | None:
 
 
 class WeightOnlyLinear(nn.Module):
-    """A linear layer whose weight is stored quantized (int8 per row or int4 per group); the
-    bias, if any, stays in the model's dtype."""
+    """A linear layer whose weight is stored quantized (int8 per row, int4 per group, or a
+    checkpoint's float8 with a scale per row: `fp8_stored`); the bias, if any, stays in the
+    model's dtype."""
 
     def __init__(self, linear: nn.Linear, mode: str, *, quantize: bool = True) -> None:
         """quantize=False: only the layer's shape, bias and activation dtype (`int4_packed`
@@ -138,7 +147,23 @@ class WeightOnlyLinear(nn.Module):
         layer.qweight = nn.Parameter(weight, requires_grad=False)
         return layer
 
+    @classmethod
+    def fp8_stored(cls, linear: nn.Linear, weight: torch.Tensor,
+                   scale: torch.Tensor) -> WeightOnlyLinear:
+        """An fp8 layer from a checkpoint's float8_e4m3fn weight [out, in] and its float32
+        scale per output row [out], kept as stored (`layers/fp8_linear.py`); the linear's own
+        weight is never read."""
+        layer = cls(linear, "fp8", quantize=False)
+        device = linear.weight.device
+        qweight, qscale = pad_to_16(weight.to(device), scale.to(device))
+        layer.register_buffer("qweight", qweight)  # [out, in] float8, padded to 16
+        layer.register_buffer("scale", qscale)  # [1, out] float32, padded to 16
+        return layer
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "fp8":
+            y = fp8_linear(x, self.qweight, self.scale, self.out_features).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         a = x.to(self.act_dtype)
         if self.mode == "int8wo":
             flat = a.reshape(-1, self.in_features)
@@ -175,6 +200,9 @@ def unsupported_reason(mode: str, model: nn.Module, device: torch.device) -> str
     """Why this model/device cannot run `mode` (naming what works), None when it can."""
     if mode == "none":
         return None
+    if mode == "fp8":
+        why = scaled_mm_refusal(device)
+        return None if why is None else f"--quantization fp8: {why}; use --quantization int8wo"
     works = "--quantization none" + (" or int8wo" if mode == "int4wo" else "")
     if device.type not in ("cpu", "cuda"):
         return f"--quantization {mode} runs on cpu and cuda, not {device.type}"
@@ -215,7 +243,9 @@ def quantize_linear(model: nn.Module, name: str, mode: str) -> int:
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     linear = getattr(parent, attr)
-    if not isinstance(linear, nn.Linear):
+    if not isinstance(linear, nn.Linear) or mode == "fp8":
+        # fp8 keeps the checkpoint's float8 layers (the loader installs them); the rest stays
+        # in the serving dtype.
         return 0
     # The output projection keeps 8 bits under int4wo (as GGUF files store it in Q6/Q8):
     # in 4 bits it moved SmolLM2's greedy tokens far more than all the other layers did.
@@ -230,7 +260,7 @@ def quantize_model(model: nn.Module, mode: str) -> int:
     embedding keeps its dtype (a lookup reads one row per token). Layers already quantized
     (by the loader, layer by layer) are left as they are. Returns the number of weights
     quantized."""
-    if mode == "none":
+    if mode in ("none", "fp8"):
         return 0
     return sum(quantize_linear(model, name, mode) for name, _ in quantizable_linears(model))
 
@@ -242,16 +272,35 @@ def choose_quantization(
 
     `source_class`: "int8" / "int4" for a GGUF or a pre-quantized checkpoint stored in that
     precision class, `EXACT_INT4` for 4-bit groups that int4wo holds as stored (GPTQ, AWQ,
-    compressed-tensors int4: on a CPU the loader repacks them, `int4_repack`), None for a
-    full-precision checkpoint."""
+    compressed-tensors int4: on a CPU the loader repacks them, `int4_repack`), `FP8_CLASS`
+    for float8 weights with per-tensor or per-channel scales (kept as stored under fp8), None
+    for a full-precision checkpoint."""
     if requested not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {requested!r}")
+    if requested == "fp8" and source_class != FP8_CLASS:
+        what = ("a full-precision checkpoint" if source_class is None
+                else f"a checkpoint of precision class {source_class}")
+        raise ValueError(
+            f"--quantization fp8 keeps a checkpoint's float8 weights with per-tensor or "
+            f"per-channel scales (quant_method fp8 without weight_block_size, compressed-tensors "
+            f"float-quantized tensor / channel); this is {what} (block-wise fp8 is dequantized "
+            f"once: use --quantization auto, int8wo or none)"
+        )
     if requested != "auto":
         check_supported(requested, model, device)
         return QuantizationChoice(requested, "requested")
     if source_class is None:
         return QuantizationChoice("none", "full-precision checkpoint: kept as is")
     why = f"quantized ({source_class}) checkpoint: int8 weights"
+    if source_class == FP8_CLASS:
+        # On CUDA the stored float8 weights run as they are (`_scaled_mm`); a CPU keeps int8wo,
+        # its fast weight-only kernel, as for any 8-bit checkpoint.
+        why_not = ("fp8 is chosen on cuda only" if device.type != "cuda"
+                   else unsupported_reason("fp8", model, device))
+        if why_not is None:
+            return QuantizationChoice("fp8", "fp8 checkpoint on cuda: its float8 weights kept, "
+                                             "torch._scaled_mm")
+        why += f" (not fp8: {why_not})"
     if source_class == EXACT_INT4:
         # The stored integers, scales and zeros are repacked, not re-rounded: int4wo serves
         # the checkpoint's own weights where int8wo would round them onto a new grid.

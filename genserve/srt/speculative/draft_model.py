@@ -65,7 +65,7 @@ def resolve_draft_model(args: EngineArgs, target: ModelConfig, tokenizer: Any,
             f"the served context of {context_length}; pass --context-length "
             f"{config.max_position_embeddings} or less")
     source_precision = None
-    if args.quantization == "auto":
+    if args.quantization in ("auto", "fp8"):
         gguf = gguf_path_of(path)
         source_precision = (gguf_precision_class(gguf) if gguf is not None
                             else precision_class(folder))

@@ -21,6 +21,10 @@ FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # (`int4_repack`): `--quantization auto` runs it as int4wo, where it runs any other 4-bit
 # checkpoint (requantized) as int8wo.
 EXACT_INT4 = "int4-exact"
+# The precision class of a checkpoint whose weights are float8 with per-tensor or per-channel
+# scales (`fp8_refusal` None): `--quantization fp8` keeps them as stored (`_scaled_mm`), which
+# `auto` picks on CUDA; elsewhere it is an 8-bit checkpoint like any other (int8wo).
+FP8_CLASS = "fp8"
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,15 @@ class QuantizedWeight:
     name: str
     parts: dict[str, str]
     module: str
+
+
+@dataclass(frozen=True)
+class FP8Rows:
+    """One linear weight's stored float8: weight [out, in] float8_e4m3fn and its float32 scale
+    per output row [out] (a per-tensor scale repeated): weight = q * scale[row]."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -62,13 +75,24 @@ class CheckpointQuantization(ABC):
         widest stored weight (as for a GGUF), `EXACT_INT4` for 4-bit groups that int4wo holds as
         stored (`int4_refusal` None), None to keep it as loaded."""
         if self.bits > 4:
-            return "int8"
+            return FP8_CLASS if self.fp8_refusal() is None else "int8"
         return EXACT_INT4 if self.int4_refusal() is None else "int4"
 
     def int4_refusal(self) -> str | None:
         """Why int4wo cannot hold this checkpoint's 4-bit groups as they are stored (what its
         config says; a layer may still be refused: `Int4Repack.refusal`), None when it can."""
         return "a format without 4-bit groups"
+
+    def fp8_refusal(self) -> str | None:
+        """Why `--quantization fp8` cannot keep this checkpoint's weights as stored (float8
+        with a scale per tensor or per output row), None when it can."""
+        return "a format without float8 weights"
+
+    def fp8_rows(self, qw: QuantizedWeight, tensors: dict[str, torch.Tensor]) -> FP8Rows | str:
+        """The stored float8 weight and its scale per row, for an fp8 layer kept as stored
+        (`fp8_keep`), or why this weight has none (it is dequantized). ValueError, naming the
+        tensor, when the stored tensors disagree with the config."""
+        return "a format without float8 weights"
 
     @abstractmethod
     def describe(self) -> str:
@@ -180,3 +204,12 @@ def unpack_words(packed: torch.Tensor, bits: int, dim: int,
     if dim == 0:
         fields = fields.movedim(-1, 1)  # [rows, per_word, cols]: row r*per_word + j
     return fields.reshape(*packed.shape[:dim], -1, *packed.shape[dim + 1:]).float()
+
+
+def scale_per_row(scale: torch.Tensor, out: int) -> torch.Tensor | None:
+    """One scale per tensor or per output row as float32 [out]; None for any other grid."""
+    if scale.numel() == 1:
+        return scale.float().reshape(1).expand(out).contiguous()
+    if scale.numel() == out and (scale.dim() == 1 or scale.shape[0] == out):
+        return scale.float().reshape(out).contiguous()
+    return None

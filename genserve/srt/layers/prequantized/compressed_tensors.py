@@ -11,6 +11,7 @@ import torch
 from genserve.srt.layers.prequantized.base import (
     FLOAT8,
     CheckpointQuantization,
+    FP8Rows,
     Int4Groups,
     QuantizedWeight,
     as_int,
@@ -20,6 +21,7 @@ from genserve.srt.layers.prequantized.base import (
     int4_group_refusal,
     read_past,
     refuse,
+    scale_per_row,
     unpack_words,
 )
 
@@ -87,6 +89,17 @@ class _Scheme:
             return int4_group_refusal(self.group_size)
         return None
 
+    def fp8_refusal(self) -> str | None:
+        """Why `--quantization fp8` cannot keep this group's weights as stored."""
+        if self.format != "float-quantized" or self.type != "float" or self.bits != 8:
+            return f"config group {self.name}: {self.describe()}, not float8"
+        if self.strategy not in ("tensor", "channel"):
+            return (f"config group {self.name}: {self.strategy} scales, where _scaled_mm has "
+                    "one scale per output row")
+        if not self.symmetric:
+            return f"config group {self.name}: asymmetric (zero points)"
+        return None
+
     def scale_grid(self, shape: tuple[int, int]) -> tuple[int, int]:
         """The block each scale covers on an [out, in] weight."""
         out, inn = shape
@@ -128,6 +141,32 @@ class CompressedTensors(CheckpointQuantization):
 
     def int4_refusal(self) -> str | None:
         return next((why for s in self.schemes if (why := s.int4_refusal()) is not None), None)
+
+    def fp8_refusal(self) -> str | None:
+        return next((why for s in self.schemes if (why := s.fp8_refusal()) is not None), None)
+
+    def fp8_rows(self, qw, tensors):
+        """The stored float8 weight and its per-tensor or per-channel scale as per-row
+        scales; or why this weight is dequantized instead (its config group's scheme)."""
+        s = self.scheme_for(qw.module)
+        if (why := s.fp8_refusal()) is not None:
+            return why
+        w = tensors.get("weight")
+        if w is None or "zeros" in tensors or "g_idx" in tensors:
+            return "a packed weight, zero points or a group index"
+        check_dtype(w, FLOAT8, qw.parts["weight"])
+        if w.dim() != 2:
+            raise ValueError(f"{qw.parts['weight']} has shape {tuple(w.shape)}; expected 2-D")
+        if w.dtype != torch.float8_e4m3fn:
+            return f"{w.dtype} weights (_scaled_mm takes float8_e4m3fn)"
+        scale = scale_per_row(tensors["scale"], w.shape[0])
+        if scale is None:
+            raise ValueError(
+                f"{qw.parts['scale']} has shape {tuple(tensors['scale'].shape)} but a weight of "
+                f"shape {tuple(w.shape)} with {s.strategy} scales needs one per "
+                f"{'tensor' if s.strategy == 'tensor' else 'output row'}: the checkpoint does "
+                "not match its quantization_config")
+        return FP8Rows(w, scale)
 
     def describe(self) -> str:
         return "compressed-tensors (" + ", ".join(s.describe() for s in self.schemes) + ")"

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from genserve.srt.layers.prequantized.base import (
     FLOAT8,
     CheckpointQuantization,
+    FP8Rows,
     as_int,
     check_dtype,
     collect,
     expand,
     read_past,
     refuse,
+    scale_per_row,
 )
 
 
@@ -52,17 +56,36 @@ class FP8(CheckpointQuantization):
                                 {"weight", "scale"})
         return list({w.name: w for w in weights}.values()), read_past(names)
 
-    def dequantize(self, qw, tensors):
+    def fp8_refusal(self):
+        if self.block is not None:
+            return (f"{self.block[0]}x{self.block[1]} block-wise scales, where _scaled_mm has "
+                    "one scale per output row")
+        return None
+
+    def fp8_rows(self, qw, tensors):
+        if (why := self.fp8_refusal()) is not None:
+            return why
+        w = self._checked(qw, tensors)
+        if w.dtype != torch.float8_e4m3fn:
+            return f"{w.dtype} weights (_scaled_mm takes float8_e4m3fn)"
+        return FP8Rows(w, scale_per_row(tensors["scale"], w.shape[0]))
+
+    def _checked(self, qw, tensors) -> torch.Tensor:
+        """The stored weight, its dtype and shape (and a per-tensor scale's) checked."""
         w, scale = tensors["weight"], tensors["scale"]
         check_dtype(w, FLOAT8, qw.parts["weight"])
         if w.dim() != 2:
             raise ValueError(f"{qw.parts['weight']} has shape {tuple(w.shape)}; expected 2-D")
+        if self.block is None and scale.numel() != 1:
+            raise ValueError(
+                f"{qw.parts['scale']} has shape {tuple(scale.shape)}; without "
+                "weight_block_size in quantization_config the scale is one per tensor"
+            )
+        return w
+
+    def dequantize(self, qw, tensors):
+        w, scale = self._checked(qw, tensors), tensors["scale"]
         shape = (w.shape[0], w.shape[1])
         if self.block is None:
-            if scale.numel() != 1:
-                raise ValueError(
-                    f"{qw.parts['scale']} has shape {tuple(scale.shape)}; without "
-                    "weight_block_size in quantization_config the scale is one per tensor"
-                )
             return w.float() * scale.float().reshape(())
         return w.float().mul_(expand(scale, *self.block, qw.parts["scale"], shape))

@@ -37,7 +37,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from genserve.srt.layers.prequantized.base import Int4Groups
+from genserve.srt.layers.prequantized.base import (
+    CheckpointQuantization,
+    Int4Groups,
+    QuantizedWeight,
+)
 from genserve.srt.layers.quantization import WeightOnlyLinear
 
 logger = logging.getLogger(__name__)
@@ -96,6 +100,15 @@ class Int4Repack:
         self.modules = dict(model.named_modules())  # as loading began: each is replaced once
         self.repacked = 0
         self.refused: dict[str, int] = {}
+
+    @staticmethod
+    def stored(scheme: CheckpointQuantization, qw: QuantizedWeight,
+               tensors: dict[str, torch.Tensor]) -> Int4Groups | str:
+        return scheme.int4_groups(qw, tensors)
+
+    @staticmethod
+    def shape(groups: Int4Groups) -> tuple[int, int]:
+        return groups.words.shape[0], groups.words.shape[1] * 8
 
     def refusal(self, module_name: str, shards: list[tuple[Any, Int4Groups | str]]) -> str | None:
         """Why the layer `module_name` is not repacked from these shards ((shard id or None for
