@@ -9,7 +9,6 @@ if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from genserve import envs  # noqa: E402
-from tests import durations  # noqa: E402
 
 # Session fixtures that start a server, an engine or a worker: the modules using one run in
 # the same pytest-xdist worker (see `pytest_collection_modifyitems`), so each starts once.
@@ -37,10 +36,6 @@ if _THREADS > 0:
 
 
 def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):
-        # pytest-xdist would hand the groups out by test count; the collection's own order,
-        # heaviest group first (`pytest_collection_modifyitems`), keeps both workers busy.
-        config.option.loadscopereorder = False
     if _THREADS > 0:
         import torch
 
@@ -82,7 +77,6 @@ def _xdist_groups(items) -> dict:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     groups = _xdist_groups(items)
-    items[:] = durations.heaviest_groups_first(items, groups, durations.load())
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
     try:
