@@ -29,6 +29,10 @@ Completion tokens come from each response's `usage` (streamed with
 `stream_options.include_usage`); llama-cpp-python streams no usage, so its tokens are its
 content chunks (one a token, except where it holds text back), labelled `tokens_counted_from`.
 Requests ask for `ignore_eos` and `min_tokens` so that each side generates `--tokens` tokens.
+`--prompt-set grounded` sends instead the input-grounded requests of bench_speculative.py (edit
+this code, extract these fields, quote this sentence) with no `ignore_eos`: each answer ends
+where the model ends it, which is what speculation (`--genserve-args "--speculative-algorithm
+ngram"`) is measured on; decode tok/s is then over whatever each side generated.
 Prints per-round figures, then a JSON summary with the median and min-max of each side and the
 ratios genserve / peer.
 """
@@ -141,19 +145,20 @@ def tree_cpu_s(pid: int) -> float:
     return total
 
 
-def stream_chat(server: Server, prompt: str, max_tokens: int) -> dict:
+def stream_chat(server: Server, prompt: str, max_tokens: int, exact: bool = True) -> dict:
     """One streamed chat: TTFT, first and last content-chunk times, tokens from `usage` (from
-    the content chunks only where the server streams no usage: llama-cpp-python)."""
+    the content chunks only where the server streams no usage: llama-cpp-python). exact: ask
+    for exactly `max_tokens` tokens (`ignore_eos`, `min_tokens`), else up to them."""
     body = {
         "model": server.model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
-        "min_tokens": max_tokens,
-        "ignore_eos": True,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if exact:
+        body.update(min_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     first = last = None
     usage, chunks = None, 0
@@ -179,8 +184,8 @@ def stream_chat(server: Server, prompt: str, max_tokens: int) -> dict:
     return {"ttft": first - t0, "decode_s": last - first, "tokens": tokens, "counted": counted}
 
 
-def single(server: Server, prompts: list[str], tokens: int) -> dict:
-    outs = [stream_chat(server, p, tokens) for p in prompts]
+def single(server: Server, prompts: list[str], tokens: int, exact: bool = True) -> dict:
+    outs = [stream_chat(server, p, tokens, exact) for p in prompts]
     decode_s = sum(o["decode_s"] for o in outs)
     return {
         "decode_tps": sum(o["tokens"] - 1 for o in outs) / decode_s if decode_s else 0.0,
@@ -190,14 +195,14 @@ def single(server: Server, prompts: list[str], tokens: int) -> dict:
     }
 
 
-def concurrent(server: Server, prompts: list[str], tokens: int) -> dict:
+def concurrent(server: Server, prompts: list[str], tokens: int, exact: bool = True) -> dict:
     outs: list[dict | BaseException] = [None] * len(prompts)  # type: ignore[list-item]
     gate = threading.Barrier(len(prompts) + 1)
 
     def worker(i: int) -> None:
         gate.wait()
         try:
-            outs[i] = stream_chat(server, prompts[i], tokens)
+            outs[i] = stream_chat(server, prompts[i], tokens, exact)
         except BaseException as e:  # reported below, on the main thread
             outs[i] = e
 
@@ -218,15 +223,26 @@ def concurrent(server: Server, prompts: list[str], tokens: int) -> dict:
             "ttft_ms_median": statistics.median(o["ttft"] for o in outs) * 1e3}
 
 
-def round_prompts(tag: str, n: int) -> list[str]:
-    return [f"[{tag}-{i}] {PROMPTS[i % len(PROMPTS)]}" for i in range(n)]
+def round_prompts(tag: str, n: int, texts: list[str] = PROMPTS) -> list[str]:
+    return [f"[{tag}-{i}] {texts[i % len(texts)]}" for i in range(n)]
+
+
+def grounded_texts() -> list[str]:
+    """bench_speculative.py's input-grounded requests (code edits, extraction, quoting)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_speculative import grounded_prompts
+
+    return grounded_prompts()
 
 
 def measure(side: Side, others: list[Server], tag: str, args) -> dict:
     before = {s.name: s.cpu_s() for s in others}
-    out = {"single": single(side.single, round_prompts(f"{tag}s", args.prompts), args.tokens),
-           "concurrent": concurrent(side.concurrent, round_prompts(f"{tag}c", args.streams),
-                                    args.tokens)}
+    exact = args.prompt_set == "chat"
+    out = {"single": single(side.single, round_prompts(f"{tag}s", args.prompts, args.texts),
+                            args.tokens, exact),
+           "concurrent": concurrent(side.concurrent,
+                                    round_prompts(f"{tag}c", args.streams, args.texts),
+                                    args.tokens, exact)}
     out["idle_cpu_s"] = {s.name: round(s.cpu_s() - before[s.name], 2) for s in others}
     return out
 
@@ -371,6 +387,10 @@ def main() -> None:
                    help="measure this running genserve server (serving --gguf) instead of "
                         "starting one; --threads and --genserve-args do not apply to it")
     p.add_argument("--json", default=None, help="also write the JSON summary to this file")
+    p.add_argument("--prompt-set", default="chat", choices=("chat", "grounded"),
+                   help="chat: open-ended chats of exactly --tokens tokens; grounded: "
+                        "bench_speculative.py's input-grounded requests, answers ending where "
+                        "the model ends them (the speculation workload)")
     p.add_argument("--smoke", action="store_true",
                    help="1 round, 1 chat, 2 streams, 4 tokens, genserve unquantized and eager: "
                         "checks the script (peers that are installed run too)")
@@ -380,6 +400,7 @@ def main() -> None:
         args.genserve_args = args.genserve_args or "--quantization none --no-compile"
     from genserve.srt.model_loader import embedded_gguf_path
 
+    args.texts = PROMPTS if args.prompt_set == "chat" else grounded_texts()
     args.embedded = args.gguf is None
     args.gguf = Path(args.gguf) if args.gguf else embedded_gguf_path()
     peers = [x for x in args.peers.split(",") if x]
@@ -427,6 +448,7 @@ def main() -> None:
     summary = {
         "gguf": args.gguf.name, "cpu": cpu(), "threads": args.threads, "tokens": args.tokens,
         "prompts": args.prompts, "streams": args.streams, "rounds": args.rounds,
+        "prompt_set": args.prompt_set,
         "genserve": {"quantization": info.get("quantization"), "compile": info.get("compile"),
                      "args": args.genserve_args, "url": args.url},
         "versions": versions(binary), "skipped": skipped, **summarize(sides, args),
