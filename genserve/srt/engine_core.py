@@ -21,6 +21,7 @@ from genserve.srt.model_runner import ModelRunner, check_tensor_parallel
 from genserve.srt.pooling_config import read_pooling_spec
 from genserve.srt.scheduler.scheduler import Scheduler
 from genserve.srt.server_args import EngineArgs
+from genserve.srt.speculative import refuse_vision_target
 from genserve.srt.speculative.draft_model import build_draft_runner, resolve_draft_model
 from genserve.srt.speculative.eagle_model import (
     EagleCheckpoint,
@@ -129,6 +130,8 @@ def build_runtime(
     if pooling is not None and args.tp_size > 1:
         raise ValueError("--tp is not supported for embedding models yet")
     config = ModelConfig.from_folder(folder)
+    if args.speculative_algorithm:  # refused before any weight is read
+        refuse_vision_target(config.multimodal)
     tokenizer = load_tokenizer(folder)
     context_length = context_length_for(args, config)
     draft = None if args.speculative_algorithm != "draft" else resolve_draft_model(

@@ -26,7 +26,12 @@ from genserve.srt.messages import ReqOutput
 from genserve.srt.scheduler.kv_ownership import alloc_slots
 from genserve.srt.scheduler.sample_step import sample_step
 from genserve.srt.server_args import EngineArgs
-from genserve.srt.speculative import NgramProposer, can_speculate, verify_draft
+from genserve.srt.speculative import (
+    NgramProposer,
+    can_speculate,
+    refuse_vision_target,
+    verify_draft,
+)
 from genserve.srt.speculative.draft import DraftModelProposer
 from genserve.srt.speculative.grammar_verify import (
     ConstrainedDrafts,
@@ -108,9 +113,7 @@ def create_speculation(args: EngineArgs, draft: ModelRunner | None,
     draft: the draft model's runner, or the EAGLE head's (`EagleRunner`)."""
     if args.speculative_algorithm is None:
         return None
-    if multimodal:
-        raise ValueError("speculative decoding is not supported for vision-language models; "
-                         "drop --speculative-algorithm")
+    refuse_vision_target(multimodal)
     if args.speculative_algorithm == "ngram":
         return NgramSpeculation(args)
     if args.speculative_algorithm == "eagle":

@@ -11,7 +11,17 @@ constrained request's draft at its grammar and masks each verify row; the schedu
 (`scheduler/speculative.py`) runs the verify forward and returns rejected tokens' KV slots.
 """
 
+from typing import Any
+
 from genserve.srt.speculative.ngram import NgramProposer
 from genserve.srt.speculative.verify import can_speculate, verify_draft
 
-__all__ = ["NgramProposer", "can_speculate", "verify_draft"]
+__all__ = ["NgramProposer", "can_speculate", "refuse_vision_target", "verify_draft"]
+
+
+def refuse_vision_target(multimodal: Any) -> None:
+    """ValueError when the target is a vision-language model (`multimodal`: its
+    `ModelConfig.multimodal`, None for a text model): no proposer handles image tokens."""
+    if multimodal:
+        raise ValueError("speculative decoding is not supported for vision-language models; "
+                         "drop --speculative-algorithm")

@@ -20,6 +20,7 @@ from genserve.srt.model_config import ModelConfig
 from genserve.srt.model_loader import gguf_path_of, gguf_precision_class, resolve_model_folder
 from genserve.srt.model_runner import ModelRunner
 from genserve.srt.server_args import EngineArgs
+from genserve.srt.speculative import refuse_vision_target
 from genserve.srt.tokenizer_manager import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -41,9 +42,7 @@ def resolve_draft_model(args: EngineArgs, target: ModelConfig, tokenizer: Any,
     """The draft checkpoint of `args`, checked against the target: ValueError naming the flag
     when it is missing, not a text model, or does not share the target's vocabulary."""
     path = str(args.speculative_draft_model_path)
-    if target.multimodal:
-        raise ValueError("speculative decoding is not supported for vision-language models; "
-                         "drop --speculative-algorithm")
+    refuse_vision_target(target.multimodal)
     if pooled:
         raise ValueError("--speculative-algorithm draft: an embedding model does not decode")
     try:

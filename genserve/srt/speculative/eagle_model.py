@@ -42,6 +42,7 @@ from genserve.srt.models.base import CausalLM, ModelKernels
 from genserve.srt.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from genserve.srt.models.registry import get_model_class
 from genserve.srt.server_args import EngineArgs
+from genserve.srt.speculative import refuse_vision_target
 from genserve.srt.speculative.eagle3_model import ARCHITECTURE as EAGLE3
 from genserve.srt.speculative.eagle3_model import Eagle3Head, Eagle3Layout, resolve_eagle3_layout
 
@@ -75,11 +76,7 @@ def resolve_eagle_checkpoint(
             f"{FLAG} {path!r}: no EAGLE head there (a folder with config.json "
             "and safetensors is needed)"
         )
-    if target.multimodal:
-        raise ValueError(
-            "speculative decoding is not supported for vision-language models; "
-            "drop --speculative-algorithm"
-        )
+    refuse_vision_target(target.multimodal)
     if not issubclass(target_model_cls, LlamaForCausalLM) or (
         target_model_cls.final_hidden is not LlamaForCausalLM.final_hidden
     ):
