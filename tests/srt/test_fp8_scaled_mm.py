@@ -24,7 +24,12 @@ from genserve.srt.layers.quantization import WeightOnlyLinear, choose_quantizati
 from tests.srt import prequant_checkpoints as pc
 from tests.srt.test_engine import prompt
 from tests.srt.test_prequantized import CASES, _load
-from tests.srt.test_quantization import agreement_and_drift, greedy_continuations, teacher_forced
+from tests.srt.test_quantization import (
+    agreement_and_drift,
+    greedy_continuations,
+    teacher_forced,
+    teacher_forced_metas,
+)
 
 PROMPTS = [prompt(i, 24) for i in range(4)]
 # Reference top-1 margins (nats) under which fp8 activations may flip the greedy token.
@@ -34,16 +39,7 @@ NEAR_TIE = 0.5
 def _scores_and_margins(engine: Engine, seqs: list[list[int]]):
     """`teacher_forced` scores of `seqs` and, per scored position, the margin of the top-1 token
     over the second (log p1 - log p2)."""
-    metas = [
-        engine.generate(
-            input_ids=seq,
-            sampling_params={"max_new_tokens": 0},
-            return_logprob=True,
-            logprob_start_len=len(ids) - 1,
-            top_logprobs_num=2,
-        )["meta_info"]
-        for ids, seq in zip(PROMPTS, seqs, strict=True)
-    ]
+    metas = teacher_forced_metas(engine, PROMPTS, seqs, top=2)
     scores = [
         (
             [t[0][1] for t in m["input_top_logprobs"][1:]],

@@ -20,23 +20,29 @@ def greedy_continuations(ref: Engine, prompts: list[list[int]], new_tokens: int)
     return [ids + out["output_ids"] for ids, out in zip(prompts, outs)]
 
 
-def teacher_forced(engine: Engine, prompts: list[list[int]], seqs: list[list[int]]):
-    """Score each sequence with `engine`, from its prompt's last token on: per sequence, (the
-    top-1 token id at each scored position, the log-prob of each scored token)."""
-    metas = [
+def teacher_forced_metas(engine: Engine, prompts: list[list[int]], seqs: list[list[int]],
+                         top: int = 1) -> list[dict]:
+    """Each sequence scored by `engine` from its prompt's last token on (its `top` likeliest
+    tokens at each position too): the meta_info of each, in order."""
+    return [
         engine.generate(
             input_ids=seq,
             sampling_params={"max_new_tokens": 0},
             return_logprob=True,
             logprob_start_len=len(ids) - 1,
-            top_logprobs_num=1,
+            top_logprobs_num=top,
         )["meta_info"]
         for ids, seq in zip(prompts, seqs)
     ]
+
+
+def teacher_forced(engine: Engine, prompts: list[list[int]], seqs: list[list[int]]):
+    """Score each sequence with `engine`, from its prompt's last token on: per sequence, (the
+    top-1 token id at each scored position, the log-prob of each scored token)."""
     return [
         ([t[0][1] for t in m["input_top_logprobs"][1:]],
          [lp for lp, _ in m["input_token_logprobs"][1:]])
-        for m in metas
+        for m in teacher_forced_metas(engine, prompts, seqs)
     ]
 
 
