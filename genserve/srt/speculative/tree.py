@@ -9,13 +9,11 @@ attends to the request's cached context, the root and its own ancestors (`ancest
 A chain (each node the child of the one before) is a plain draft: `merge_candidates` hands it
 over as a list and the scheduler verifies it as it always has (`verify.verify_draft`).
 
-Acceptance (`verify_tree`) walks down from the root. Greedy: the child whose token is the
-target's argmax, until none is; then the argmax itself. Sampled: the children are tried in
-order as deterministic drafts, each accepted with its probability under what is left of the
-target distribution p, a rejected child's token taken out of p (renormalised) before the next
-child is tried; when every child is rejected, the token is drawn from that residual. The
-emitted token is then distributed exactly as p (each child c is emitted with probability p(c),
-every other token with its p), level after level.
+Acceptance (`verify_tree`) is the walk a chain's verify takes too (`verify.verify_walk`), with
+several children per row: greedy follows the child that is the target's argmax; sampled tries
+the children in order, each rejected child's token taken out of what is left of the target
+distribution p before the next is tried, so the emitted token is distributed exactly as p,
+level after level.
 """
 
 from __future__ import annotations
@@ -25,9 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from genserve.srt.sampling.processors import sample_from_probs
 from genserve.srt.sampling.sampling_params import SamplingParams
-from genserve.srt.speculative.verify import target_probs
+from genserve.srt.speculative.verify import verify_walk
 
 if TYPE_CHECKING:
     from genserve.srt.forward_batch import ForwardBatch
@@ -154,35 +151,4 @@ def verify_tree(
         raise ValueError(
             f"need {len(tree) + 1} logit rows for a tree of {len(tree)}, got {logits.shape[0]}"
         )
-    children = tree.children()
-    tokens: list[int] = []
-    rows: list[int] = []
-    row = 0
-    if params.is_greedy:
-        target = logits.argmax(dim=-1).tolist()
-        while True:
-            tokens.append(target[row])
-            rows.append(row)
-            nxt = [c for c in children[row] if tree.tokens[c] == target[row]]
-            if not nxt:
-                return tokens, rows
-            row = nxt[0] + 1
-    probs = target_probs(logits, params)
-    while True:
-        residual = probs[row]
-        rows.append(row)
-        for c in children[row]:
-            token = tree.tokens[c]
-            total = residual.sum()
-            u = torch.rand((), generator=generator, device=residual.device)
-            if u * total < residual[token] or total <= 0:
-                tokens.append(token)
-                row = c + 1
-                break
-            residual = residual.clone()
-            residual[token] = 0.0
-        else:
-            total = residual.sum()
-            left = residual / total if total > 0 else probs[row]
-            tokens.append(int(sample_from_probs(left[None], generator)[0]))
-            return tokens, rows
+    return verify_walk(logits, tree.tokens, tree.children(), params, generator)

@@ -11,6 +11,7 @@ top-k, top-p, min-p), as the plain sampler builds it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -80,31 +81,50 @@ def verify_draft(logits: torch.Tensor, draft: list[int], params: SamplingParams,
     if logits.shape[0] != len(draft) + 1:
         raise ValueError(f"need {len(draft) + 1} logit rows for a draft of {len(draft)}, "
                          f"got {logits.shape[0]}")
+    chain = [[j] for j in range(len(draft))] + [[]]  # row j's one child: draft token j
+    return verify_walk(logits, draft, chain, params, generator)[0]
+
+
+def verify_walk(logits: torch.Tensor, tokens: Sequence[int], children: list[list[int]],
+                params: SamplingParams, generator: torch.Generator | None
+                ) -> tuple[list[int], list[int]]:
+    """Walk a draft (a chain, or a tree: `tree.py`) down from its root: (the tokens to append,
+    the verify row that scored each). Node c holds tokens[c] and is verify row c + 1; row 0 is
+    the root; children[r]: row r's child nodes, in the order they are tried.
+
+    Greedy: the child whose token is the row's argmax, until none is; then the argmax itself.
+    Sampled: each child in turn is a deterministic draft, accepted with its probability under
+    what is left of p (a rejected child's token taken out, renormalised); when every child is
+    rejected, the token is drawn from that residual. The emitted token is distributed as p."""
+    out: list[int] = []
+    rows: list[int] = []
+    row = 0
     if params.is_greedy:
         target = logits.argmax(dim=-1).tolist()
-        out: list[int] = []
-        for j, token in enumerate(draft):
-            if target[j] != token:
-                break
-            out.append(token)
-        out.append(target[len(out)])
-        return out
+        while True:
+            out.append(target[row])
+            rows.append(row)
+            nxt = [c for c in children[row] if tokens[c] == target[row]]
+            if not nxt:
+                return out, rows
+            row = nxt[0] + 1
     probs = target_probs(logits, params)
-    dev = probs.device
-    out = []
-    for j, token in enumerate(draft):
-        p = probs[j]
-        u = torch.rand((), generator=generator, device=dev)
-        if u < p[token]:
-            out.append(token)
-            continue
-        residual = p.clone()
-        residual[token] = 0.0
-        total = residual.sum()
-        if total <= 0:  # p was a point mass on the draft token: cannot reject it
-            out.append(token)
-            continue
-        out.append(int(sample_from_probs((residual / total)[None], generator)[0]))
-        return out
-    out.append(int(sample_from_probs(probs[len(draft)][None], generator)[0]))
-    return out
+    while True:
+        residual = probs[row]
+        rows.append(row)
+        for c in children[row]:
+            token = tokens[c]
+            total = residual.sum()
+            u = torch.rand((), generator=generator, device=residual.device)
+            # total <= 0: p was a point mass on the rejected tokens; this one cannot be.
+            if u * total < residual[token] or total <= 0:
+                out.append(token)
+                row = c + 1
+                break
+            residual = residual.clone()
+            residual[token] = 0.0
+        else:
+            total = residual.sum()
+            left = residual / total if total > 0 else probs[row]
+            out.append(int(sample_from_probs(left[None], generator)[0]))
+            return out, rows
