@@ -20,28 +20,22 @@ import logging
 from typing import Any
 
 import torch
-from torch import nn
 
 from genserve.srt.layers.prequantized.base import (
     CheckpointQuantization,
     FP8Rows,
     QuantizedWeight,
 )
+from genserve.srt.layers.prequantized.stored_layers import StoredLayers
 from genserve.srt.layers.quantization import WeightOnlyLinear
 
 logger = logging.getLogger(__name__)
 
 
-class FP8Keep:
+class FP8Keep(StoredLayers):
     """Builds a model's fp8 layers from stored float8 weights, one linear layer at a time, and
     counts what it kept and what it left to the dequantizing path (and why). The same interface
     as `Int4Repack` (`prequantized_loader.load_quantized_weights`)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.modules = dict(model.named_modules())  # as loading began: each is replaced once
-        self.kept = 0
-        self.refused: dict[str, int] = {}
 
     @staticmethod
     def stored(
@@ -56,45 +50,25 @@ class FP8Keep:
     def refusal(self, module_name: str, shards: list[tuple[Any, FP8Rows | str]]) -> str | None:
         """Why the layer `module_name` is not kept from these shards ((shard id or None for
         the whole weight, its rows or the format's reason it has none)), None when it is."""
-        module = self.modules.get(module_name)
-        if not isinstance(module, nn.Linear) or getattr(module, "sources", None) is not None:
-            return "not a whole linear layer"  # (an expert stack, a tensor-parallel share)
-        for _, rows in shards:
-            if isinstance(rows, str):
-                return rows
-        want = set(getattr(module, "shard_offsets", None) or {None})
-        got = {shard for shard, _ in shards}
-        if None not in got and got != want:
-            return "a fused layer with shards stored unquantized"
-        out = sum(rows.weight.shape[0] for _, rows in shards)
-        inn = {rows.weight.shape[1] for _, rows in shards}
-        if out != module.out_features or inn != {module.in_features}:
-            return "shapes that differ from the model's"  # the dequantizing path names them
-        return None
+        return self.layer_refusal(module_name, shards) or self.shape_refusal(module_name, shards)
 
     def install(self, module_name: str, shards: list[tuple[Any, FP8Rows]]) -> None:
         """Replace the linear layer `module_name` by its fp8 form built from `shards` (checked
         by `refusal`); its own weight is never read."""
-        parent_name, _, attr = module_name.rpartition(".")
-        parent = self.model.get_submodule(parent_name) if parent_name else self.model
-        linear = getattr(parent, attr)
+        parent, attr, linear = self.target(module_name)
         out, inn = linear.out_features, linear.in_features
         weight = torch.empty(out, inn, dtype=torch.float8_e4m3fn)
         scale = torch.empty(out, dtype=torch.float32)
-        offsets = getattr(linear, "shard_offsets", None) or {}
         for shard, rows in shards:
-            start, size = offsets[shard] if shard is not None else (0, out)
+            start, size = self.shard_rows(linear, shard)
             weight[start : start + size] = rows.weight
             scale[start : start + size] = rows.scale
         setattr(parent, attr, WeightOnlyLinear.fp8_stored(linear, weight, scale))
-        self.kept += 1
-
-    def refuse(self, reason: str) -> None:
-        self.refused[reason] = self.refused.get(reason, 0) + 1
+        self.built += 1
 
     def log(self) -> None:
-        if self.kept:
-            logger.info("fp8: %d linear layers keep the checkpoint's float8 weights", self.kept)
+        if self.built:
+            logger.info("fp8: %d linear layers keep the checkpoint's float8 weights", self.built)
         for reason, n in self.refused.items():
             logger.warning(
                 "fp8: %d linear layers dequantized into the serving dtype instead: %s", n, reason

@@ -35,13 +35,13 @@ import logging
 from typing import Any
 
 import torch
-from torch import nn
 
 from genserve.srt.layers.prequantized.base import (
     CheckpointQuantization,
     Int4Groups,
     QuantizedWeight,
 )
+from genserve.srt.layers.prequantized.stored_layers import StoredLayers
 from genserve.srt.layers.quantization import WeightOnlyLinear
 
 logger = logging.getLogger(__name__)
@@ -91,15 +91,9 @@ def pack_int4(
     return qdata, torch.stack([scale, zero], dim=-1), g
 
 
-class Int4Repack:
+class Int4Repack(StoredLayers):
     """Builds a model's int4wo layers from stored 4-bit groups, one linear layer at a time, and
     counts what it repacked and what it left to the dequantizing path (and why)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.modules = dict(model.named_modules())  # as loading began: each is replaced once
-        self.repacked = 0
-        self.refused: dict[str, int] = {}
 
     @staticmethod
     def stored(scheme: CheckpointQuantization, qw: QuantizedWeight,
@@ -114,22 +108,15 @@ class Int4Repack:
         """Why the layer `module_name` is not repacked from these shards ((shard id or None for
         the whole weight, its groups or the format's reason it has none)), None when it is.
         No side effects."""
-        module = self.modules.get(module_name)
-        if not isinstance(module, nn.Linear) or getattr(module, "sources", None) is not None:
-            return "not a whole linear layer"  # (an expert stack, a tensor-parallel share)
-        for _, groups in shards:
-            if isinstance(groups, str):
-                return groups
-        want = set(getattr(module, "shard_offsets", None) or {None})
-        got = {shard for shard, _ in shards}
-        if None not in got and got != want:
-            return "a fused layer with shards stored unquantized"
+        reason = self.layer_refusal(module_name, shards)
+        if reason is not None:
+            return reason
         if not all(groups.ordered for _, groups in shards):
             return "act-order groups (g_idx permutes them)"
-        rows = sum(groups.words.shape[0] for _, groups in shards)
-        inn = {groups.words.shape[1] * 8 for _, groups in shards}
-        if rows != module.out_features or inn != {module.in_features}:
-            return "shapes that differ from the model's"  # the dequantizing path names them
+        reason = self.shape_refusal(module_name, shards)
+        if reason is not None:
+            return reason
+        module = self.modules[module_name]
         sizes = {groups.group_size for _, groups in shards}
         if len(sizes) != 1:
             return "shards in different group sizes"
@@ -142,35 +129,29 @@ class Int4Repack:
     def install(self, module_name: str, shards: list[tuple[Any, Int4Groups]]) -> None:
         """Replace the linear layer `module_name` by its int4wo form built from `shards`
         (checked by `refusal`); its own weight is never read."""
-        parent_name, _, attr = module_name.rpartition(".")
-        parent = self.model.get_submodule(parent_name) if parent_name else self.model
-        linear = getattr(parent, attr)
+        parent, attr, linear = self.target(module_name)
         out, inn = linear.out_features, linear.in_features
         groups = shards[0][1]
         n_groups = groups.zeros.shape[0]
         words = torch.empty(out, inn // 8, dtype=torch.int32)
         zeros = torch.empty(n_groups, out, dtype=torch.int32)
         scales = torch.empty(n_groups, out, dtype=torch.float32)
-        offsets = getattr(linear, "shard_offsets", None) or {}
         for shard, g in shards:
-            start, size = offsets[shard] if shard is not None else (0, out)
+            start, size = self.shard_rows(linear, shard)
             words[start : start + size] = g.words
             zeros[:, start : start + size] = g.zeros
             scales[:, start : start + size] = g.scales
         qdata, scale_and_zero, kernel_g = pack_int4(words, zeros, scales, groups.group_size)
         del words
         setattr(parent, attr, WeightOnlyLinear.int4_packed(linear, qdata, scale_and_zero, kernel_g))
-        self.repacked += 1
-
-    def refuse(self, reason: str) -> None:
-        self.refused[reason] = self.refused.get(reason, 0) + 1
+        self.built += 1
 
     def log(self) -> None:
-        if self.repacked:
+        if self.built:
             logger.info(
                 "int4wo: %d linear layers repacked from the checkpoint's 4-bit groups "
                 "(not dequantized)",
-                self.repacked,
+                self.built,
             )
         for reason, n in self.refused.items():
             logger.warning(
