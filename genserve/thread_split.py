@@ -13,7 +13,9 @@ makes this worse). The rule here gives every runtime its own cores instead:
    decode at full load together (the default server's vision-language model answers questions
    about images beside the text model), and dividing the share would halve a lone chat's
    speed for a model that sits idle.
-4. `--num-threads` (every LLM process) and `--diffusion-num-threads` (the diffusion worker; the
+4. The cores split are the process's CPU affinity, capped by `OMP_NUM_THREADS` when it is set
+   (`available_cores`).
+5. `--num-threads` (every LLM process) and `--diffusion-num-threads` (the diffusion worker; the
    `GENSERVE_NUM_THREADS` variable when the flag is not given) override the rule; an overridden
    side leaves the other side the rule's figure.
 
@@ -75,7 +77,16 @@ def split_threads(
 
 
 def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS has one)."""
+    """The cores the runtimes may share: this process's CPU affinity where the OS has one, capped
+    by `OMP_NUM_THREADS` when it is set to a positive number. That variable is how a user (a
+    container, a job scheduler, a test runner sharing the machine) says how many threads torch
+    may use here; a server that gave its runtimes every core anyway would run more threads than
+    it has cores, and a busy-waiting OpenMP pool then runs many times slower."""
     if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
+        cores = max(1, len(os.sched_getaffinity(0)))
+    else:
+        cores = max(1, os.cpu_count() or 1)
+    cap = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if cap.isdigit() and int(cap) > 0:
+        cores = min(cores, int(cap))
+    return cores

@@ -83,3 +83,19 @@ def test_the_processes_run_with_their_share(shapes_demo_server):
     assert split == expected
     assert info["num_threads"] == split["llm_threads"]  # the scheduler process's own count
     assert info["diffusion"]["num_threads"] == split["diffusion_threads"]
+
+
+def test_omp_num_threads_caps_the_cores_split(monkeypatch):
+    """A server started under OMP_NUM_THREADS=1 (a test runner's worker, a container's quota)
+    splits one core, not the machine's: more OpenMP threads than cores stall each other."""
+    from genserve.thread_split import available_cores
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    machine = available_cores()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert available_cores() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", str(machine + 8))
+    assert available_cores() == machine  # a cap, never more than the process may run on
+    for unset in ("", "0", "auto"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert available_cores() == machine
