@@ -4,6 +4,7 @@ retraction; bad grammars are clear errors and never stop the scheduler."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -213,41 +214,48 @@ def _skeleton(text: str) -> str:
     return json.dumps(shape(json.loads(text)))
 
 
-def test_jump_forward_valid_streamed_and_fewer_steps(smollm_folder):
-    def run(jump: bool) -> tuple[list[str], list[str], dict, Engine]:
-        engine = Engine(
-            str(smollm_folder), dtype="float32", max_total_tokens=4096, jump_forward=jump
-        )
-        sched = engine.scheduler
-        ids = engine.tokenizer.encode(chat(engine, "Extract the order: Anna ships to Paris."))
-        for k in range(3):
-            sched.add_request(
-                TokenizedGenerateReq(
-                    rid=f"r{k}",
-                    input_ids=ids,
-                    stream=True,
-                    sampling_params=SamplingParams(
-                        max_new_tokens=120,
-                        temperature=0.0 if k == 0 else 0.8,
-                        seed=k,
-                        json_schema=json.dumps(EXTRACT),
-                    ),
+def test_jump_forward_valid_streamed_and_fewer_steps(smol_engine):
+    """The same three requests (one greedy, two sampled) with jump-forward on and then off, on
+    the session's engine (its scheduler reads its arguments at each step): each output is valid and
+    streamed whole, and jump-forward takes fewer forwards. Counts are this test's own deltas."""
+    sched = smol_engine.scheduler
+    ids = smol_engine.tokenizer.encode(chat(smol_engine, "Extract the order: Anna ships to Paris."))
+
+    def run(jump: bool) -> tuple[list[str], list[list[int]], dict]:
+        before = dict(sched.stats)
+        saved = sched.args
+        sched.args = dataclasses.replace(saved, jump_forward=jump)
+        try:
+            for k in range(3):
+                sched.add_request(
+                    TokenizedGenerateReq(
+                        rid=f"jf{int(jump)}-{k}",
+                        input_ids=ids,
+                        stream=True,
+                        sampling_params=SamplingParams(
+                            max_new_tokens=120,
+                            temperature=0.0 if k == 0 else 0.8,
+                            seed=k,
+                            json_schema=json.dumps(EXTRACT),
+                        ),
+                    )
                 )
-            )
-        texts, ids_out = ["", "", ""], [[], [], []]
-        while sched.has_work():
-            for out in sched.step():
-                k = int(out.rid[1:])
-                texts[k] += out.text_delta
-                ids_out[k] += out.new_ids
+            texts, ids_out = ["", "", ""], [[], [], []]
+            while sched.has_work():
+                for out in sched.step():
+                    k = int(out.rid.rsplit("-", 1)[1])
+                    texts[k] += out.text_delta
+                    ids_out[k] += out.new_ids
+        finally:
+            sched.args = saved
         for k in range(3):
             jsonschema.validate(json.loads(texts[k]), EXTRACT)
-            assert engine.tokenizer.decode(ids_out[k], skip_special_tokens=True) == texts[k]
+            assert smol_engine.tokenizer.decode(ids_out[k], skip_special_tokens=True) == texts[k]
         sched.check_integrity()
-        return texts, ids_out, dict(sched.stats), engine
+        return texts, ids_out, {key: sched.stats[key] - before.get(key, 0) for key in sched.stats}
 
-    on_texts, on_ids, on, engine = run(True)
-    off_texts, _, off, _ = run(False)
+    on_texts, on_ids, on = run(True)
+    off_texts, _, off = run(False)
     # The skeleton the grammar forces (keys, their order, punctuation) is the same with and
     # without jump-forward. The values the model chooses may differ: jump-forward feeds the
     # forced text in the tokenizer's own tokens, not in the pieces a step-by-step decode picks,
@@ -258,4 +266,4 @@ def test_jump_forward_valid_streamed_and_fewer_steps(smollm_folder):
     assert forwards_on < off["decode_steps"] + off["prefill_batches"]
     # The boundary is retokenized: the greedy output is exactly the tokenizer's own
     # tokenization of its text (then the end-of-turn token).
-    assert on_ids[0][:-1] == engine.tokenizer.encode(on_texts[0], add_special_tokens=False)
+    assert on_ids[0][:-1] == smol_engine.tokenizer.encode(on_texts[0], add_special_tokens=False)
