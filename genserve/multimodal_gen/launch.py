@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any
 
 from genserve import envs
 from genserve.multimodal_gen.client import DiffusionEngineClient
 from genserve.multimodal_gen.messages import STEP_CACHE_KINDS, StepCacheConfig
 from genserve.multimodal_gen.named_models import default_model_names
+from genserve.thread_split import available_cores
 
 
 def parse_lora_arg(value: str) -> tuple[str, str, str]:
@@ -81,10 +81,10 @@ def start_diffusion_client(model_paths: list[str] | None, args: Any) -> Diffusio
             raise ValueError("--diffusion-cp splits one worker's calls over several devices; "
                              "it cannot be combined with --diffusion-workers > 1")
         if not config.num_threads:  # the ranks share the cores of a CPU
-            config = replace(config, num_threads=max(1, (os.cpu_count() or 1) // config.cp_size))
+            config = replace(config, num_threads=max(1, available_cores() // config.cp_size))
     if workers == 1:
         return WorkerDiffusionClient(config, default_step_cache=step_cache)
-    threads = config.num_threads or max(1, (os.cpu_count() or 1) // workers)
+    threads = config.num_threads or max(1, available_cores() // workers)
     configs = [replace(config, device=worker_device(config.device, i, workers),
                        num_threads=threads) for i in range(workers)]
     with ThreadPoolExecutor(workers) as pool:  # load the models on every device at once
