@@ -377,9 +377,11 @@ async def serve(args: argparse.Namespace, log_level: str) -> None:
     planner = ServerMemoryPlanner(len(llm_paths(args)) if want_llm else 0, want_diffusion,
                                   getattr(args, "mem_fraction", None))
     threads = plan_threads(args, want_llm, want_diffusion)
-    logger.info("thread split on %d cores: %d per LLM process (%d), %d for diffusion (%s)",
-                threads.cores, threads.llm_threads, threads.llm_processes,
-                threads.diffusion_threads, threads.rule)
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    logger.info("thread split on %d cores%s: %d per LLM process (%d), %d for diffusion (%s)",
+                threads.cores, f" (OMP_NUM_THREADS={omp} caps them)" if omp else "",
+                threads.llm_threads, threads.llm_processes, threads.diffusion_threads,
+                threads.rule)
     try:
         await _start_runtimes(args, llm_clients, diffusion, planner)
         diffusion_client = diffusion[0] if diffusion else None
