@@ -12,7 +12,8 @@ makes this worse). The rule here gives every runtime its own cores instead:
 3. Every LLM process gets the LLMs' whole share, not a part of it: the served LLMs seldom
    decode at full load together (the default server's vision-language model answers questions
    about images beside the text model), and dividing the share would halve a lone chat's
-   speed for a model that sits idle.
+   speed for a model that sits idle. The ranks of a tensor-parallel LLM compute at once, so
+   they divide its share (`serve.plan_threads`).
 4. The cores split are the process's CPU affinity, capped by `OMP_NUM_THREADS` when it is set
    (`available_cores`).
 5. `--num-threads` (every LLM process) and `--diffusion-num-threads` (the diffusion worker; the

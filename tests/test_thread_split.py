@@ -56,6 +56,14 @@ def test_serve_hands_the_split_to_each_runtime(monkeypatch):
     assert engine_args_from(args, "a").num_threads == 6
     args = build_parser().parse_args(["serve", "--diffusion-num-threads", "2"])
     assert plan_threads(args, True, True, cores=12).diffusion_threads == 2
+    # Tensor-parallel ranks compute at once: they divide the LLMs' share; a flag is kept.
+    args = build_parser().parse_args(["serve", "--model-path", "a", "--tp", "2"])
+    assert plan_threads(args, True, False, cores=12).llm_threads == 6 == args.num_threads
+    args = build_parser().parse_args(["serve", "--model-path", "a", "--tp", "4"])
+    assert plan_threads(args, True, False, cores=2).llm_threads == 1
+    args = build_parser().parse_args(["serve", "--model-path", "a", "--tp", "2",
+                                      "--num-threads", "3"])
+    assert plan_threads(args, True, False, cores=12).llm_threads == 3
     # Several diffusion workers keep their own division of the cores.
     args = argparse.Namespace(
         model_path=None,

@@ -135,14 +135,19 @@ def host_only(device: str) -> bool:
 def plan_threads(args: argparse.Namespace, want_llm: bool, want_diffusion: bool,
                  cores: int | None = None) -> ThreadSplit:
     """The thread split of this server (genserve/thread_split.py), written into `args` for the
-    runtimes to start with: `num_threads` of each LLM process, `diffusion_num_threads`. Several
-    diffusion workers or context-parallel ranks keep their own division of the cores."""
+    runtimes to start with: `num_threads` of each LLM process (of each rank under --tp: the
+    ranks divide the LLMs' share), `diffusion_num_threads`. Several diffusion workers or
+    context-parallel ranks keep their own division of the cores."""
     env_threads = envs.GENSERVE_NUM_THREADS.get() or None
     split = split_threads(
         available_cores() if cores is None else cores,
         len(llm_paths(args)) if want_llm else 0, want_diffusion,
         llm_override=getattr(args, "num_threads", None),
         diffusion_override=getattr(args, "diffusion_num_threads", None) or env_threads)
+    tp = getattr(args, "tp_size", None) or 1
+    if tp > 1 and split.llm_threads and getattr(args, "num_threads", None) is None:
+        # A tensor-parallel LLM is tp processes that compute at once: they share its cores.
+        split = dataclasses.replace(split, llm_threads=max(1, split.llm_threads // tp))
     if split.llm_threads:
         args.num_threads = split.llm_threads
     several = (getattr(args, "diffusion_workers", None) or 1) > 1 or (
