@@ -17,9 +17,11 @@ Two latent spaces (`ShapesStreamPipeline.pack` / `unpack`):
 The served 64x64 (or larger) frames are the 32x32 picture upscaled bilinearly, as the
 other demo models do. The transformer sees each frame as 4x4 tokens, with torus
 coordinates appended to its input channels (`with_coords`: rotary positions alone cannot place
-the first chunk). It predicts the clean chunk; `velocity` turns that into the flow the Helios
-scheduler steps with. (Why 32x32 and 8x8-pixel tokens: docs/benchmarks.md.) The served chunk
-loop is `pipelines/helios.HeliosFamily`'s, through `family.ShapesStreamFamily`.
+the first chunk). Its output becomes the clean chunk by the pipeline's `prediction`
+(`Parameterization`: the output itself, a rectified-flow velocity, or EDM's skip mix of input
+and output), and `velocity` turns the clean chunk into the flow the Helios scheduler steps
+with. (Why 32x32 and 8x8-pixel tokens: docs/benchmarks.md.) The served chunk loop is
+`pipelines/helios.HeliosFamily`'s, through `family.ShapesStreamFamily`.
 
 No trained weights ship yet: the runs so far fall short of the targets (docs/benchmarks.md), so
 the architecture is served as `tiny-shapes-stream` (seeded random weights) and
@@ -27,6 +29,8 @@ the architecture is served as `tiny-shapes-stream` (seeded random weights) and
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from diffusers import AutoencoderTiny, DiffusionPipeline, HeliosScheduler, HeliosTransformer3DModel
@@ -43,6 +47,7 @@ FRAMES_PER_CHUNK = 9
 HISTORY_SIZES = (16, 2, 1)  # long, mid, short windows (frames), as the Helios checkpoints
 DEFAULT_STEPS = 3
 MIN_SIGMA = 0.05  # x-prediction turns into a velocity by dividing by the noise level
+PREDICTIONS = ("sample", "velocity", "edm")  # what the transformer's output means
 COORD_CHANNELS = 4  # sin and cos of x and of y on the torus (`with_coords`)
 TRANSFORMER_CONFIG = dict(
     patch_size=(1, 4, 4),
@@ -67,6 +72,51 @@ AE_DOWNSCALE = 4
 LATENT_TRANSFORMER_CONFIG = dict(
     TRANSFORMER_CONFIG, patch_size=(1, 2, 2), in_channels=8 + COORD_CHANNELS, out_channels=8
 )
+
+
+@dataclass(frozen=True)
+class Parameterization:
+    """How the transformer's output F becomes the clean chunk, for noisy latents
+    x_s = (1 - s) x0 + s noise: clean = c_skip(s) x_s + c_out(s) F.
+
+    - `sample`: F is the clean chunk (c_skip 0, c_out 1), the exports before this option;
+    - `velocity`: F is the rectified-flow velocity noise - x0, so clean = x_s - s F;
+    - `edm`: EDM's preconditioning (Karras et al. 2022) for this interpolation, with clean
+      latents of standard deviation `sigma_data`: c_skip = (1 - s) sd^2 / D^2 and
+      c_out = s sd / D, D^2 = (1 - s)^2 sd^2 + s^2. F's target then has unit variance at every
+      s; at s = 1 it is x-prediction, and as s falls the input passes through, so the low-noise
+      steps keep the detail they are handed instead of redrawing it."""
+
+    kind: str = "sample"
+    sigma_data: float = 1.0
+
+    def __post_init__(self):
+        if self.kind not in PREDICTIONS:
+            raise ValueError(f"prediction must be one of {PREDICTIONS}, got {self.kind!r}")
+        if not self.sigma_data > 0:
+            raise ValueError(f"sigma_data must be positive, got {self.sigma_data!r}")
+
+    def scalings(self, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(c_skip, c_out) for noise levels `sigma` (any shape, in [0, 1])."""
+        if self.kind == "sample":
+            return torch.zeros_like(sigma), torch.ones_like(sigma)
+        if self.kind == "velocity":
+            return torch.ones_like(sigma), -sigma
+        sd2 = self.sigma_data**2
+        d2 = (1 - sigma) ** 2 * sd2 + sigma**2
+        return (1 - sigma) * sd2 / d2, sigma * self.sigma_data / d2.sqrt()
+
+    def clean(
+        self, output: torch.Tensor, latents: torch.Tensor, sigma: torch.Tensor
+    ) -> torch.Tensor:
+        """The clean chunk from the transformer's `output` for `latents` [B, C, F, h, w] at
+        noise levels `sigma` [B]."""
+        if self.kind == "sample":
+            return output  # exactly as before the option
+        c_skip, c_out = (
+            c.view(-1, 1, 1, 1, 1).to(output.dtype) for c in self.scalings(sigma.float())
+        )
+        return c_skip * latents.to(output.dtype) + c_out * output
 
 
 def pack(frames: torch.Tensor) -> torch.Tensor:
@@ -98,8 +148,11 @@ class ShapesStreamPipeline(DiffusionPipeline):
         transformer: HeliosTransformer3DModel,
         scheduler: HeliosScheduler,
         vae: AutoencoderTiny | None = None,
+        prediction: str = "sample",
+        sigma_data: float = 1.0,
     ):
         super().__init__()
+        Parameterization(prediction, sigma_data)  # checks both
         self.register_modules(
             tokenizer=tokenizer,
             text_encoder=text_encoder,
@@ -107,6 +160,13 @@ class ShapesStreamPipeline(DiffusionPipeline):
             scheduler=scheduler,
             vae=vae,
         )
+        # In model_index.json, so serving reads what training used; a folder without them
+        # (exported before the option) is x-prediction.
+        self.register_to_config(prediction=prediction, sigma_data=sigma_data)
+
+    @property
+    def parameterization(self) -> Parameterization:
+        return Parameterization(self.config.prediction, float(self.config.sigma_data))
 
     @property
     def native_size(self) -> int:
@@ -174,7 +234,9 @@ class ShapesStreamPipeline(DiffusionPipeline):
     ) -> torch.Tensor:
         """The flow (noise - clean) at `timestep` [B] (sigma * 1000) from the transformer's
         clean-chunk prediction."""
-        clean = predict_clean(self.transformer, latents, timestep, embeds, history)
+        clean = predict_clean(
+            self.transformer, latents, timestep, embeds, history, self.parameterization
+        )
         sigma = (timestep.float() / 1000.0).clamp(min=MIN_SIGMA)
         return (latents - clean) / sigma.view(-1, 1, 1, 1, 1).to(clean.dtype)
 
@@ -216,20 +278,23 @@ def predict_clean(
     timestep: torch.Tensor,
     embeds: torch.Tensor,
     history: dict[str, torch.Tensor],
+    param: Parameterization = Parameterization(),
 ) -> torch.Tensor:
-    """The transformer's clean-chunk prediction [B, C, F, h, w] for noisy `latents`, the
-    history windows (`history_inputs`) and prompt embeddings; coordinates are appended to the
-    chunk and to every history window (serving and training both call this)."""
+    """The clean-chunk prediction [B, C, F, h, w] for noisy `latents` at `timestep` [B]
+    (sigma * 1000), the history windows (`history_inputs`) and prompt embeddings: the
+    transformer's output turned into the clean chunk by `param`. Coordinates are appended to
+    the chunk and to every history window (serving and training both call this)."""
     inputs = {
         k: with_coords(v) if k.startswith("latents_history") else v for k, v in history.items()
     }
-    return transformer(
+    out = transformer(
         hidden_states=with_coords(latents),
         timestep=timestep,
         encoder_hidden_states=embeds,
         return_dict=False,
         **inputs,
     )[0]
+    return param.clean(out, latents, timestep.float() / 1000.0)
 
 
 def encode_prompts(
@@ -277,9 +342,11 @@ def history_inputs(history: torch.Tensor, prefix: torch.Tensor) -> dict[str, tor
     }
 
 
-def build_stream_pipeline(vae: AutoencoderTiny | None = None) -> ShapesStreamPipeline:
+def build_stream_pipeline(
+    vae: AutoencoderTiny | None = None, param: Parameterization = Parameterization()
+) -> ShapesStreamPipeline:
     """A fresh (untrained) shapes-stream pipeline: in pixel space, or in the latent space of
-    a trained autoencoder `vae` (kept frozen)."""
+    a trained autoencoder `vae` (kept frozen); its transformer's output means `param`."""
     tokenizer = build_tokenizer()
     text_encoder = T5EncoderModel(
         T5Config(
@@ -308,6 +375,8 @@ def build_stream_pipeline(vae: AutoencoderTiny | None = None) -> ShapesStreamPip
         transformer=transformer,
         scheduler=scheduler,
         vae=vae,
+        prediction=param.kind,
+        sigma_data=param.sigma_data,
     )
 
 

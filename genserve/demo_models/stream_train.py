@@ -11,8 +11,11 @@ prompt. `--first-frac` of the examples open a video (no history; the shape start
 `stream_world.StreamState.start`): that chunk is drawn from the prompt alone, the hardest one to
 learn. The chunk's scene changes from the history's with `--switch-prob` (a prompt switch:
 position and size continue, everything the prompt says changes). Rectified flow on the packed
-pixels: x_s = (1 - s) x0 + s noise, the transformer predicts x0 (stream_model.py), s drawn
-uniformly or from the serving step grids. Shape pixels weigh more in the loss.
+pixels: x_s = (1 - s) x0 + s noise, s drawn uniformly or from the serving step grids; the loss
+is on the clean chunk, whatever the transformer's output means (`--prediction`: the clean chunk
+itself, the velocity, or EDM's skip mix; `stream_model.Parameterization`, saved in the export).
+Shape pixels weigh more in the loss. A run may change `--prediction` when it resumes (a
+fine-tune into the new parameterization); export with the flag the run trained with.
 
 Self-continuation: with `--rollout-frac`, that share of the examples replaces its last history
 chunk with the model's own sample (EMA weights, the serving step count), reads where its shape
@@ -44,7 +47,9 @@ from genserve.demo_models.stream_model import (
     HISTORY_SIZES,
     MIN_SIGMA,
     MODEL_SIZE,
+    PREDICTIONS,
     STREAM_WEIGHTS_PATH,
+    Parameterization,
     build_stream_pipeline,
     encode_prompts,
     history_inputs,
@@ -189,7 +194,9 @@ def sample_chunks(
     for s, s_next in zip(sigmas[:-1], sigmas[1:]):
         t = torch.full((b,), s * 1000.0)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            clean = predict_clean(model["transformer"], x, t, embeds, inputs).float()
+            clean = predict_clean(
+                model["transformer"], x, t, embeds, inputs, pipe.parameterization
+            ).float()
         v = (x - clean) / max(s, MIN_SIGMA)
         x = x + (s_next - s) * v
     return x
@@ -216,7 +223,9 @@ def _fg_weight(pipe, target: torch.Tensor, scenes: list[world.Scene]) -> torch.T
 
 def train(args: argparse.Namespace) -> None:
     work = seed_and_work_dir(args.seed, Path(args.work_dir))
-    pipe = build_stream_pipeline(_load_autoencoder(args.autoencoder))
+    pipe = build_stream_pipeline(
+        _load_autoencoder(args.autoencoder), Parameterization(args.prediction, args.sigma_data)
+    )
     model = torch.nn.ModuleDict(
         {"transformer": pipe.transformer, "text_encoder": pipe.text_encoder}
     )
@@ -279,7 +288,12 @@ def train(args: argparse.Namespace) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             embeds = _encode(model, pipe, prompts)
             clean = predict_clean(
-                model["transformer"], xt, sigma * 1000.0, embeds, history_inputs(history, prefix)
+                model["transformer"],
+                xt,
+                sigma * 1000.0,
+                embeds,
+                history_inputs(history, prefix),
+                pipe.parameterization,
             )
         loss = (weight * (clean.float() - x0) ** 2).mean()
         opt.zero_grad(set_to_none=True)
@@ -303,9 +317,9 @@ def _load_autoencoder(path: str | None):
 
 
 def export(trained, ema: torch.nn.ModuleDict, out: Path) -> None:
-    """Save the EMA weights (and the autoencoder of `trained`) as the served diffusers
-    folder."""
-    pipe = build_stream_pipeline(trained.vae)
+    """Save the EMA weights (and the autoencoder and parameterization of `trained`) as the
+    served diffusers folder."""
+    pipe = build_stream_pipeline(trained.vae, trained.parameterization)
     pipe.transformer.load_state_dict(ema["transformer"].state_dict())
     pipe.text_encoder.load_state_dict(ema["text_encoder"].state_dict())
     pipe.save_pretrained(out, safe_serialization=True)
@@ -351,6 +365,18 @@ def main(argv: list[str] | None = None) -> None:
         "--autoencoder",
         default=None,
         help="a trained stream_ae folder: denoise its latents instead of pixels",
+    )
+    p.add_argument(
+        "--prediction",
+        choices=PREDICTIONS,
+        default="sample",
+        help="what the transformer's output means (stream_model.Parameterization)",
+    )
+    p.add_argument(
+        "--sigma-data",
+        type=float,
+        default=1.0,
+        help="standard deviation of the clean latents, for --prediction edm",
     )
     p.add_argument(
         "--export-only",
