@@ -158,9 +158,11 @@ def summarize(scores: list[dict]) -> dict[str, float]:
 
 
 def run_streams(model, schedules: list[Schedule], frames: int, seed: int = 0,
-                steps: int | None = None, size: int = stream_world.SIZE) -> list[np.ndarray]:
+                steps: int | None = None, size: int = stream_world.SIZE,
+                guidance: float = 1.0) -> list[np.ndarray]:
     """Frames uint8 [frames, size, size, 3] of each schedule from the served family, all
-    streams advancing together (one batched chunk per step, as the worker batches them)."""
+    streams advancing together (one batched chunk per step, as the worker batches them);
+    `guidance` > 1 is classifier-free guidance against the empty prompt."""
     from genserve.multimodal_gen.messages import ResolvedRequest, StepCacheConfig
 
     chunk = model.chunk_frames
@@ -171,7 +173,7 @@ def run_streams(model, schedules: list[Schedule], frames: int, seed: int = 0,
         batch = [ResolvedRequest(
             rid=f"eval-{i}-{k}", model=spec.name, prompt=s.scene_at(k * chunk).prompt(),
             negative_prompt=None, width=size, height=size, num_frames=chunk, fps=24,
-            num_inference_steps=steps or spec.default_steps, guidance_scale=1.0,
+            num_inference_steps=steps or spec.default_steps, guidance_scale=guidance,
             seeds=(seed + i,), step_cache=StepCacheConfig(), preview=False,
             preview_decode_every=0, init_image=None, strength=None, submitted_at=time.time(),
             stream_id=f"eval-{i}", stream_reset=k == 0) for i, s in enumerate(schedules)]
@@ -188,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--frames", type=int, default=306)
     p.add_argument("--switches", type=int, default=2)
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--guidance", type=float, default=1.0,
+                   help="classifier-free guidance scale (1: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", default=None, help="write the first stream as an MP4 here")
     args = p.parse_args(argv)
@@ -196,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(args.model, name="shapes-stream")
     schedules = held_out_schedules(args.streams, args.frames, model.chunk_frames, args.switches)
     t0 = time.perf_counter()
-    videos = run_streams(model, schedules, args.frames, args.seed, args.steps)
+    videos = run_streams(model, schedules, args.frames, args.seed, args.steps,
+                         guidance=args.guidance)
     seconds = time.perf_counter() - t0
     summary = summarize([score_stream(v, s) for v, s in zip(videos, schedules)])
     summary["frames_per_s_batched"] = round(len(videos) * videos[0].shape[0] / seconds, 1)

@@ -17,9 +17,11 @@ Two latent spaces (`ShapesStreamPipeline.pack` / `unpack`):
 The served 64x64 (or larger) frames are the 32x32 picture upscaled bilinearly, as the
 other demo models do. The transformer sees each frame as 4x4 tokens, with torus
 coordinates appended to its input channels (`with_coords`: rotary positions alone cannot place
-the first chunk). It predicts the clean chunk; `velocity` turns that into the flow the Helios
-scheduler steps with. (Why 32x32 and 8x8-pixel tokens: docs/benchmarks.md.) The served chunk
-loop is `pipelines/helios.HeliosFamily`'s, through `family.ShapesStreamFamily`.
+the first chunk). Its output becomes the clean chunk by the pipeline's `prediction`
+(`Parameterization`: the output itself, a rectified-flow velocity, or EDM's skip mix of input
+and output), and `velocity` turns the clean chunk into the flow the Helios scheduler steps
+with. (Why 32x32 and 8x8-pixel tokens: docs/benchmarks.md.) The served chunk loop is
+`pipelines/helios.HeliosFamily`'s, through `family.ShapesStreamFamily`.
 
 No trained weights ship yet: the runs so far fall short of the targets (docs/benchmarks.md), so
 the architecture is served as `tiny-shapes-stream` (seeded random weights) and
@@ -27,6 +29,8 @@ the architecture is served as `tiny-shapes-stream` (seeded random weights) and
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from diffusers import AutoencoderTiny, DiffusionPipeline, HeliosScheduler, HeliosTransformer3DModel
@@ -43,18 +47,76 @@ FRAMES_PER_CHUNK = 9
 HISTORY_SIZES = (16, 2, 1)  # long, mid, short windows (frames), as the Helios checkpoints
 DEFAULT_STEPS = 3
 MIN_SIGMA = 0.05  # x-prediction turns into a velocity by dividing by the noise level
+PREDICTIONS = ("sample", "velocity", "edm")  # what the transformer's output means
 COORD_CHANNELS = 4  # sin and cos of x and of y on the torus (`with_coords`)
 TRANSFORMER_CONFIG = dict(
-    patch_size=(1, 4, 4), num_attention_heads=4, attention_head_dim=32,
-    in_channels=LATENT_CHANNELS + COORD_CHANNELS, out_channels=LATENT_CHANNELS,
-    text_dim=TEXT_DIM, freq_dim=64, ffn_dim=256, num_layers=3, cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads", rope_dim=(8, 12, 12), has_multi_term_memory_patch=True,
-    guidance_cross_attn=True, zero_history_timestep=True)
+    patch_size=(1, 4, 4),
+    num_attention_heads=4,
+    attention_head_dim=32,
+    in_channels=LATENT_CHANNELS + COORD_CHANNELS,
+    out_channels=LATENT_CHANNELS,
+    text_dim=TEXT_DIM,
+    freq_dim=64,
+    ffn_dim=256,
+    num_layers=3,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_dim=(8, 12, 12),
+    has_multi_term_memory_patch=True,
+    guidance_cross_attn=True,
+    zero_history_timestep=True,
+)
 # With an autoencoder (`stream_ae.py`) the transformer denoises its [8, 8, 8] latents instead:
 # 2x2-latent-pixel tokens (the same 4x4 tokens a frame), 32 values each.
 AE_DOWNSCALE = 4
 LATENT_TRANSFORMER_CONFIG = dict(
-    TRANSFORMER_CONFIG, patch_size=(1, 2, 2), in_channels=8 + COORD_CHANNELS, out_channels=8)
+    TRANSFORMER_CONFIG, patch_size=(1, 2, 2), in_channels=8 + COORD_CHANNELS, out_channels=8
+)
+
+
+@dataclass(frozen=True)
+class Parameterization:
+    """How the transformer's output F becomes the clean chunk, for noisy latents
+    x_s = (1 - s) x0 + s noise: clean = c_skip(s) x_s + c_out(s) F.
+
+    - `sample`: F is the clean chunk (c_skip 0, c_out 1), the exports before this option;
+    - `velocity`: F is the rectified-flow velocity noise - x0, so clean = x_s - s F;
+    - `edm`: EDM's preconditioning (Karras et al. 2022) for this interpolation, with clean
+      latents of standard deviation `sigma_data`: c_skip = (1 - s) sd^2 / D^2 and
+      c_out = s sd / D, D^2 = (1 - s)^2 sd^2 + s^2. F's target then has unit variance at every
+      s; at s = 1 it is x-prediction, and as s falls the input passes through, so the low-noise
+      steps keep the detail they are handed instead of redrawing it."""
+
+    kind: str = "sample"
+    sigma_data: float = 1.0
+
+    def __post_init__(self):
+        if self.kind not in PREDICTIONS:
+            raise ValueError(f"prediction must be one of {PREDICTIONS}, got {self.kind!r}")
+        if not self.sigma_data > 0:
+            raise ValueError(f"sigma_data must be positive, got {self.sigma_data!r}")
+
+    def scalings(self, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(c_skip, c_out) for noise levels `sigma` (any shape, in [0, 1])."""
+        if self.kind == "sample":
+            return torch.zeros_like(sigma), torch.ones_like(sigma)
+        if self.kind == "velocity":
+            return torch.ones_like(sigma), -sigma
+        sd2 = self.sigma_data**2
+        d2 = (1 - sigma) ** 2 * sd2 + sigma**2
+        return (1 - sigma) * sd2 / d2, sigma * self.sigma_data / d2.sqrt()
+
+    def clean(
+        self, output: torch.Tensor, latents: torch.Tensor, sigma: torch.Tensor
+    ) -> torch.Tensor:
+        """The clean chunk from the transformer's `output` for `latents` [B, C, F, h, w] at
+        noise levels `sigma` [B]."""
+        if self.kind == "sample":
+            return output  # exactly as before the option
+        c_skip, c_out = (
+            c.view(-1, 1, 1, 1, 1).to(output.dtype) for c in self.scalings(sigma.float())
+        )
+        return c_skip * latents.to(output.dtype) + c_out * output
 
 
 def pack(frames: torch.Tensor) -> torch.Tensor:
@@ -79,12 +141,32 @@ class ShapesStreamPipeline(DiffusionPipeline):
     model_cpu_offload_seq = "text_encoder->transformer->vae"
     _optional_components = ["vae"]
 
-    def __init__(self, tokenizer: PreTrainedTokenizerFast, text_encoder: T5EncoderModel,
-                 transformer: HeliosTransformer3DModel, scheduler: HeliosScheduler,
-                 vae: AutoencoderTiny | None = None):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerFast,
+        text_encoder: T5EncoderModel,
+        transformer: HeliosTransformer3DModel,
+        scheduler: HeliosScheduler,
+        vae: AutoencoderTiny | None = None,
+        prediction: str = "sample",
+        sigma_data: float = 1.0,
+    ):
         super().__init__()
-        self.register_modules(tokenizer=tokenizer, text_encoder=text_encoder,
-                              transformer=transformer, scheduler=scheduler, vae=vae)
+        Parameterization(prediction, sigma_data)  # checks both
+        self.register_modules(
+            tokenizer=tokenizer,
+            text_encoder=text_encoder,
+            transformer=transformer,
+            scheduler=scheduler,
+            vae=vae,
+        )
+        # In model_index.json, so serving reads what training used; a folder without them
+        # (exported before the option) is x-prediction.
+        self.register_to_config(prediction=prediction, sigma_data=sigma_data)
+
+    @property
+    def parameterization(self) -> Parameterization:
+        return Parameterization(self.config.prediction, float(self.config.sigma_data))
 
     @property
     def native_size(self) -> int:
@@ -121,9 +203,14 @@ class ShapesStreamPipeline(DiffusionPipeline):
             return unpack(latents)
         return _per_frame(latents, lambda z: self.vae.decoder(z / self.vae.config.scaling_factor))
 
-    def encode_prompt(self, prompt: str | list[str], negative_prompt: str | list[str] | None = None,
-                      do_classifier_free_guidance: bool = False, device=None, **_ignored
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def encode_prompt(
+        self,
+        prompt: str | list[str],
+        negative_prompt: str | list[str] | None = None,
+        do_classifier_free_guidance: bool = False,
+        device=None,
+        **_ignored,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(prompt embeddings [B, 16, D], negative ones with guidance else None), the shape
         `HeliosPipeline.encode_prompt` returns; padding positions are zeroed, as Helios does."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
@@ -138,11 +225,18 @@ class ShapesStreamPipeline(DiffusionPipeline):
     def _encode(self, prompts: list[str], device) -> torch.Tensor:
         return encode_prompts(self.tokenizer, self.text_encoder, prompts, device)
 
-    def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor,
-                 history: dict[str, torch.Tensor]) -> torch.Tensor:
+    def velocity(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        embeds: torch.Tensor,
+        history: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
         """The flow (noise - clean) at `timestep` [B] (sigma * 1000) from the transformer's
         clean-chunk prediction."""
-        clean = predict_clean(self.transformer, latents, timestep, embeds, history)
+        clean = predict_clean(
+            self.transformer, latents, timestep, embeds, history, self.parameterization
+        )
         sigma = (timestep.float() / 1000.0).clamp(min=MIN_SIGMA)
         return (latents - clean) / sigma.view(-1, 1, 1, 1, 1).to(clean.dtype)
 
@@ -166,30 +260,55 @@ def with_coords(latents: torch.Tensor) -> torch.Tensor:
     b, _, f, h, w = latents.shape
     ax = (torch.arange(w, device=latents.device, dtype=torch.float32) + 0.5) * (2 * torch.pi / w)
     ay = (torch.arange(h, device=latents.device, dtype=torch.float32) + 0.5) * (2 * torch.pi / h)
-    grid = torch.stack([ax.sin().expand(h, w), ax.cos().expand(h, w),
-                        ay.sin()[:, None].expand(h, w), ay.cos()[:, None].expand(h, w)])
+    grid = torch.stack(
+        [
+            ax.sin().expand(h, w),
+            ax.cos().expand(h, w),
+            ay.sin()[:, None].expand(h, w),
+            ay.cos()[:, None].expand(h, w),
+        ]
+    )
     grid = grid.to(latents.dtype).view(1, COORD_CHANNELS, 1, h, w).expand(b, -1, f, -1, -1)
     return torch.cat([latents, grid], dim=1)
 
 
-def predict_clean(transformer: HeliosTransformer3DModel, latents: torch.Tensor,
-                  timestep: torch.Tensor, embeds: torch.Tensor,
-                  history: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The transformer's clean-chunk prediction [B, C, F, h, w] for noisy `latents`, the
-    history windows (`history_inputs`) and prompt embeddings; coordinates are appended to the
-    chunk and to every history window (serving and training both call this)."""
-    inputs = {k: with_coords(v) if k.startswith("latents_history") else v
-              for k, v in history.items()}
-    return transformer(hidden_states=with_coords(latents), timestep=timestep,
-                       encoder_hidden_states=embeds, return_dict=False, **inputs)[0]
+def predict_clean(
+    transformer: HeliosTransformer3DModel,
+    latents: torch.Tensor,
+    timestep: torch.Tensor,
+    embeds: torch.Tensor,
+    history: dict[str, torch.Tensor],
+    param: Parameterization = Parameterization(),
+) -> torch.Tensor:
+    """The clean-chunk prediction [B, C, F, h, w] for noisy `latents` at `timestep` [B]
+    (sigma * 1000), the history windows (`history_inputs`) and prompt embeddings: the
+    transformer's output turned into the clean chunk by `param`. Coordinates are appended to
+    the chunk and to every history window (serving and training both call this)."""
+    inputs = {
+        k: with_coords(v) if k.startswith("latents_history") else v for k, v in history.items()
+    }
+    out = transformer(
+        hidden_states=with_coords(latents),
+        timestep=timestep,
+        encoder_hidden_states=embeds,
+        return_dict=False,
+        **inputs,
+    )[0]
+    return param.clean(out, latents, timestep.float() / 1000.0)
 
 
-def encode_prompts(tokenizer, text_encoder: T5EncoderModel, prompts: list[str],
-                   device=None) -> torch.Tensor:
+def encode_prompts(
+    tokenizer, text_encoder: T5EncoderModel, prompts: list[str], device=None
+) -> torch.Tensor:
     """Prompt embeddings [B, 16, D] with padding positions zeroed (serving, and training with
     its own or the EMA's text encoder)."""
-    toks = tokenizer(prompts, padding="max_length", max_length=MAX_PROMPT_TOKENS,
-                     truncation=True, return_tensors="pt")
+    toks = tokenizer(
+        prompts,
+        padding="max_length",
+        max_length=MAX_PROMPT_TOKENS,
+        truncation=True,
+        return_tensors="pt",
+    )
     device = device or text_encoder.device
     mask = toks.attention_mask.to(device)
     emb = text_encoder(toks.input_ids.to(device), attention_mask=mask)[0]
@@ -202,8 +321,12 @@ def history_indices(batch: int) -> dict[str, torch.Tensor]:
     sizes = [1, *HISTORY_SIZES, FRAMES_PER_CHUNK]
     prefix, long, mid, one, chunk = torch.arange(sum(sizes)).split(sizes)
     short = torch.cat([prefix, one])
-    out = {"indices_hidden_states": chunk, "indices_latents_history_short": short,
-           "indices_latents_history_mid": mid, "indices_latents_history_long": long}
+    out = {
+        "indices_hidden_states": chunk,
+        "indices_latents_history_short": short,
+        "indices_latents_history_mid": mid,
+        "indices_latents_history_long": long,
+    }
     return {k: v.unsqueeze(0).expand(batch, -1) for k, v in out.items()}
 
 
@@ -211,25 +334,50 @@ def history_inputs(history: torch.Tensor, prefix: torch.Tensor) -> dict[str, tor
     """The transformer's history arguments from the last sum(HISTORY_SIZES) latent frames
     [B, C, 19, h, w] and the video's first frame [B, C, 1, h, w]."""
     h_long, h_mid, h_1x = history.split(list(HISTORY_SIZES), dim=2)
-    return {"latents_history_long": h_long, "latents_history_mid": h_mid,
-            "latents_history_short": torch.cat([prefix, h_1x], dim=2),
-            **history_indices(history.shape[0])}
+    return {
+        "latents_history_long": h_long,
+        "latents_history_mid": h_mid,
+        "latents_history_short": torch.cat([prefix, h_1x], dim=2),
+        **history_indices(history.shape[0]),
+    }
 
 
-def build_stream_pipeline(vae: AutoencoderTiny | None = None) -> ShapesStreamPipeline:
+def build_stream_pipeline(
+    vae: AutoencoderTiny | None = None, param: Parameterization = Parameterization()
+) -> ShapesStreamPipeline:
     """A fresh (untrained) shapes-stream pipeline: in pixel space, or in the latent space of
-    a trained autoencoder `vae` (kept frozen)."""
+    a trained autoencoder `vae` (kept frozen); its transformer's output means `param`."""
     tokenizer = build_tokenizer()
-    text_encoder = T5EncoderModel(T5Config(
-        vocab_size=len(tokenizer), d_model=TEXT_DIM, d_kv=TEXT_DIM // 2, d_ff=2 * TEXT_DIM,
-        num_layers=2, num_heads=2, relative_attention_num_buckets=8, dropout_rate=0.0,
-        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    text_encoder = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer),
+            d_model=TEXT_DIM,
+            d_kv=TEXT_DIM // 2,
+            d_ff=2 * TEXT_DIM,
+            num_layers=2,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+            dropout_rate=0.0,
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
+        )
+    )
     transformer = HeliosTransformer3DModel(
-        **(TRANSFORMER_CONFIG if vae is None else LATENT_TRANSFORMER_CONFIG))
-    scheduler = HeliosScheduler(stages=1, stage_range=[0, 1], scheduler_type="euler",
-                                use_dynamic_shifting=False, shift=1.0)
-    return ShapesStreamPipeline(tokenizer=tokenizer, text_encoder=text_encoder,
-                                transformer=transformer, scheduler=scheduler, vae=vae)
+        **(TRANSFORMER_CONFIG if vae is None else LATENT_TRANSFORMER_CONFIG)
+    )
+    scheduler = HeliosScheduler(
+        stages=1, stage_range=[0, 1], scheduler_type="euler", use_dynamic_shifting=False, shift=1.0
+    )
+    return ShapesStreamPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        transformer=transformer,
+        scheduler=scheduler,
+        vae=vae,
+        prediction=param.kind,
+        sigma_data=param.sigma_data,
+    )
 
 
 def build_tiny_shapes_stream() -> ShapesStreamPipeline:

@@ -11,8 +11,11 @@ prompt. `--first-frac` of the examples open a video (no history; the shape start
 `stream_world.StreamState.start`): that chunk is drawn from the prompt alone, the hardest one to
 learn. The chunk's scene changes from the history's with `--switch-prob` (a prompt switch:
 position and size continue, everything the prompt says changes). Rectified flow on the packed
-pixels: x_s = (1 - s) x0 + s noise, the transformer predicts x0 (stream_model.py), s drawn
-uniformly or from the serving step grids. Shape pixels weigh more in the loss.
+pixels: x_s = (1 - s) x0 + s noise, s drawn uniformly or from the serving step grids; the loss
+is on the clean chunk, whatever the transformer's output means (`--prediction`: the clean chunk
+itself, the velocity, or EDM's skip mix; `stream_model.Parameterization`, saved in the export).
+Shape pixels weigh more in the loss. A run may change `--prediction` when it resumes (a
+fine-tune into the new parameterization); export with the flag the run trained with.
 
 Self-continuation: with `--rollout-frac`, that share of the examples replaces its last history
 chunk with the model's own sample (EMA weights, the serving step count), reads where its shape
@@ -44,7 +47,9 @@ from genserve.demo_models.stream_model import (
     HISTORY_SIZES,
     MIN_SIGMA,
     MODEL_SIZE,
+    PREDICTIONS,
     STREAM_WEIGHTS_PATH,
+    Parameterization,
     build_stream_pipeline,
     encode_prompts,
     history_inputs,
@@ -67,7 +72,7 @@ def _window(frames: torch.Tensor) -> torch.Tensor:
     """The last WINDOW frames of [3, F, H, W], zero-filled in front."""
     f = frames.shape[1]
     if f >= WINDOW:
-        return frames[:, f - WINDOW:]
+        return frames[:, f - WINDOW :]
     pad = torch.zeros(frames.shape[0], WINDOW - f, *frames.shape[2:])
     return torch.cat([pad, frames], dim=1)
 
@@ -75,9 +80,15 @@ def _window(frames: torch.Tensor) -> torch.Tensor:
 class Example:
     """One training chunk before packing (pixels [3, F, 32, 32] in [-1, 1])."""
 
-    def __init__(self, rng: random.Random, nrng: np.random.Generator,
-                 scenes: list[world.Scene], switch_prob: float, rollout: bool,
-                 first_frac: float = 0.25):
+    def __init__(
+        self,
+        rng: random.Random,
+        nrng: np.random.Generator,
+        scenes: list[world.Scene],
+        switch_prob: float,
+        rollout: bool,
+        first_frac: float = 0.25,
+    ):
         # k: chunks of the video before this one (0: this chunk opens the video).
         if rollout:
             k = rng.choice([1, 2, 3, 4])
@@ -88,11 +99,13 @@ class Example:
         # successor's scene unless the prompt switched between them.
         plan = [scenes[rng.randrange(len(scenes))]]
         for _ in range(chunks):
-            plan.insert(0, plan[0] if rng.random() >= switch_prob
-                        else scenes[rng.randrange(len(scenes))])
+            plan.insert(
+                0, plan[0] if rng.random() >= switch_prob else scenes[rng.randrange(len(scenes))]
+            )
         started = k == chunks  # the first chunk drawn is the video's first
-        state = stream_world.StreamState.start() if started \
-            else stream_world.StreamState.random(nrng)
+        state = (
+            stream_world.StreamState.start() if started else stream_world.StreamState.random(nrng)
+        )
         per_frame = [s for s in plan[:-1] for _ in range(FRAMES_PER_CHUNK)]
         if per_frame:
             past, state = stream_world.render(per_frame, state, MODEL_SIZE)
@@ -105,8 +118,7 @@ class Example:
             self.prefix = torch.zeros(3, 1, MODEL_SIZE, MODEL_SIZE)
         else:  # the video started long ago, maybe under another prompt
             early = plan[0] if rng.random() < 0.5 else scenes[rng.randrange(len(scenes))]
-            far, _ = stream_world.render([early], stream_world.StreamState.random(nrng),
-                                         MODEL_SIZE)
+            far, _ = stream_world.render([early], stream_world.StreamState.random(nrng), MODEL_SIZE)
             self.prefix = _to_tensor(far)
         self.plan, self.state = plan, state
         self.started = started
@@ -125,10 +137,12 @@ class Example:
         centre = stream_world.circular_centroid((dist > 60).astype(np.float32))
         if centre is not None:
             scale = stream_world.SIZE / MODEL_SIZE  # states are in SIZE pixels
-            self.state = stream_world.StreamState(centre[0] * scale, centre[1] * scale,
-                                                  self.state.r)
-            self.target, _ = stream_world.render([self.target_scene] * FRAMES_PER_CHUNK,
-                                                 self.state, MODEL_SIZE)
+            self.state = stream_world.StreamState(
+                centre[0] * scale, centre[1] * scale, self.state.r
+            )
+            self.target, _ = stream_world.render(
+                [self.target_scene] * FRAMES_PER_CHUNK, self.state, MODEL_SIZE
+            )
 
 
 def _batch_inputs(pipe, examples: list[Example], before_last: bool = False):
@@ -152,22 +166,37 @@ def _pack(pipe, frames: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_chunks(pipe, model, prompts: list[str], history: torch.Tensor, prefix: torch.Tensor,
-                  steps: int, generator: torch.Generator | None = None,
-                  noise: torch.Tensor | None = None, autocast: bool = False) -> torch.Tensor:
+def sample_chunks(
+    pipe,
+    model,
+    prompts: list[str],
+    history: torch.Tensor,
+    prefix: torch.Tensor,
+    steps: int,
+    generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
+    autocast: bool = False,
+) -> torch.Tensor:
     """Euler sampling of one chunk per row on the serving family's step grid (the same
     sigmas and x-to-velocity rule, so a roll-out is what serving would draw), from `noise` or
     fresh noise of `generator`; packed latents [B, C, 9, h, w]."""
     b = history.shape[0]
     embeds = _encode(model, pipe, prompts)
     inputs = history_inputs(history, prefix)
-    x = noise if noise is not None else torch.randn(
-        b, history.shape[1], FRAMES_PER_CHUNK, *history.shape[3:], generator=generator)
+    x = (
+        noise
+        if noise is not None
+        else torch.randn(
+            b, history.shape[1], FRAMES_PER_CHUNK, *history.shape[3:], generator=generator
+        )
+    )
     sigmas = list(np.linspace(0.999, 0.0, steps + 1))
     for s, s_next in zip(sigmas[:-1], sigmas[1:]):
         t = torch.full((b,), s * 1000.0)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            clean = predict_clean(model["transformer"], x, t, embeds, inputs).float()
+            clean = predict_clean(
+                model["transformer"], x, t, embeds, inputs, pipe.parameterization
+            ).float()
         v = (x - clean) / max(s, MIN_SIGMA)
         x = x + (s_next - s) * v
     return x
@@ -194,9 +223,12 @@ def _fg_weight(pipe, target: torch.Tensor, scenes: list[world.Scene]) -> torch.T
 
 def train(args: argparse.Namespace) -> None:
     work = seed_and_work_dir(args.seed, Path(args.work_dir))
-    pipe = build_stream_pipeline(_load_autoencoder(args.autoencoder))
-    model = torch.nn.ModuleDict({"transformer": pipe.transformer,
-                                 "text_encoder": pipe.text_encoder})
+    pipe = build_stream_pipeline(
+        _load_autoencoder(args.autoencoder), Parameterization(args.prediction, args.sigma_data)
+    )
+    model = torch.nn.ModuleDict(
+        {"transformer": pipe.transformer, "text_encoder": pipe.text_encoder}
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     run = TrainingRun(args, work, model, opt)
     if run.resume():
@@ -211,13 +243,25 @@ def train(args: argparse.Namespace) -> None:
     while run.going():
         rng = run.rng
         n_roll = int(round(args.batch_size * args.rollout_frac))
-        examples = [Example(rng, nrng, scenes, args.switch_prob, rollout=i < n_roll,
-                            first_frac=args.first_frac) for i in range(args.batch_size)]
+        examples = [
+            Example(
+                rng, nrng, scenes, args.switch_prob, rollout=i < n_roll, first_frac=args.first_frac
+            )
+            for i in range(args.batch_size)
+        ]
         if n_roll:
             rolls = examples[:n_roll]
             h, p = _batch_inputs(pipe, rolls, before_last=True)
-            made = sample_chunks(pipe, run.ema, [ex.plan[-2].prompt() for ex in rolls], h, p,
-                                 args.rollout_steps, gen, autocast=args.bf16)
+            made = sample_chunks(
+                pipe,
+                run.ema,
+                [ex.plan[-2].prompt() for ex in rolls],
+                h,
+                p,
+                args.rollout_steps,
+                gen,
+                autocast=args.bf16,
+            )
             with torch.no_grad():
                 made = pipe.unpack(made)
             pix = ((made.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
@@ -243,8 +287,14 @@ def train(args: argparse.Namespace) -> None:
         run.set_lr()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             embeds = _encode(model, pipe, prompts)
-            clean = predict_clean(model["transformer"], xt, sigma * 1000.0, embeds,
-                                  history_inputs(history, prefix))
+            clean = predict_clean(
+                model["transformer"],
+                xt,
+                sigma * 1000.0,
+                embeds,
+                history_inputs(history, prefix),
+                pipe.parameterization,
+            )
         loss = (weight * (clean.float() - x0) ** 2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -267,9 +317,9 @@ def _load_autoencoder(path: str | None):
 
 
 def export(trained, ema: torch.nn.ModuleDict, out: Path) -> None:
-    """Save the EMA weights (and the autoencoder of `trained`) as the served diffusers
-    folder."""
-    pipe = build_stream_pipeline(trained.vae)
+    """Save the EMA weights (and the autoencoder and parameterization of `trained`) as the
+    served diffusers folder."""
+    pipe = build_stream_pipeline(trained.vae, trained.parameterization)
     pipe.transformer.load_state_dict(ema["transformer"].state_dict())
     pipe.text_encoder.load_state_dict(ema["text_encoder"].state_dict())
     pipe.save_pretrained(out, safe_serialization=True)
@@ -291,19 +341,48 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cosine", action="store_true", help="decay the rate over this run")
     p.add_argument("--ema", type=float, default=0.995)
     p.add_argument("--switch-prob", type=float, default=0.3)
-    p.add_argument("--first-frac", type=float, default=0.25,
-                   help="share of examples that open a video (no history: the hardest chunk)")
-    p.add_argument("--grid-frac", type=float, default=0.5,
-                   help="share of examples noised to a serving step's level (else uniform)")
+    p.add_argument(
+        "--first-frac",
+        type=float,
+        default=0.25,
+        help="share of examples that open a video (no history: the hardest chunk)",
+    )
+    p.add_argument(
+        "--grid-frac",
+        type=float,
+        default=0.5,
+        help="share of examples noised to a serving step's level (else uniform)",
+    )
     p.add_argument("--rollout-frac", type=float, default=0.0)
     p.add_argument("--rollout-steps", type=int, default=DEFAULT_STEPS)
     p.add_argument("--history-noise", type=float, default=0.1)
-    p.add_argument("--bf16", action="store_true",
-                   help="bf16 autocast (slower than fp32 for this small model on CPUs)")
-    p.add_argument("--autoencoder", default=None,
-                   help="a trained stream_ae folder: denoise its latents instead of pixels")
-    p.add_argument("--export-only", action="store_true",
-                   help="export the checkpoint's EMA weights to --out without training")
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 autocast (slower than fp32 for this small model on CPUs)",
+    )
+    p.add_argument(
+        "--autoencoder",
+        default=None,
+        help="a trained stream_ae folder: denoise its latents instead of pixels",
+    )
+    p.add_argument(
+        "--prediction",
+        choices=PREDICTIONS,
+        default="sample",
+        help="what the transformer's output means (stream_model.Parameterization)",
+    )
+    p.add_argument(
+        "--sigma-data",
+        type=float,
+        default=1.0,
+        help="standard deviation of the clean latents, for --prediction edm",
+    )
+    p.add_argument(
+        "--export-only",
+        action="store_true",
+        help="export the checkpoint's EMA weights to --out without training",
+    )
     parse_and_train(p, argv, train)
 
 

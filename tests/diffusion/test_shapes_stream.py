@@ -133,8 +133,9 @@ def test_streamed_chunks_continue_one_video(model):
 
 
 def test_training_resumes_and_exports_a_servable_folder(tmp_path):
-    """Two steps (one with roll-outs), a resumed third, then the exported folder serves a
-    streamed chunk through the family."""
+    """Two steps (one with roll-outs), a resumed third that changes the parameterization (a
+    fine-tune into it), then the exported folder serves a streamed chunk through the family
+    with the parameterization it trained with."""
     import torch
 
     from genserve.demo_models import stream_train
@@ -145,10 +146,10 @@ def test_training_resumes_and_exports_a_servable_folder(tmp_path):
               "--rollout-steps", "1"]
     stream_train.main([*common, "--steps", "2", "--rollout-frac", "0.5"])
     assert torch.load(work / "checkpoint.pt", weights_only=False)["step"] == 2
-    stream_train.main([*common, "--steps", "3"])
+    stream_train.main([*common, "--steps", "3", "--prediction", "edm"])
     assert torch.load(work / "checkpoint.pt", weights_only=False)["step"] == 3
     served = load_model(str(out), name="shapes-stream-test")
-    assert served.spec.streaming
+    assert served.spec.streaming and served.pipe.parameterization.kind == "edm"
     video = ev.run_streams(served, ev.held_out_schedules(1, 9, 9, switches=0), 9, steps=1)[0]
     assert video.shape == (9, 64, 64, 3)
 
