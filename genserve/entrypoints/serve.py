@@ -384,7 +384,7 @@ async def serve(args: argparse.Namespace, log_level: str) -> None:
     threads = plan_threads(args, want_llm, want_diffusion)
     omp = os.environ.get("OMP_NUM_THREADS", "")
     logger.info("thread split on %d cores%s: %d per LLM process (%d), %d for diffusion (%s)",
-                threads.cores, f" (OMP_NUM_THREADS={omp} caps them)" if omp else "",
+                threads.cores, f" (OMP_NUM_THREADS={omp})" if omp else "",
                 threads.llm_threads, threads.llm_processes, threads.diffusion_threads,
                 threads.rule)
     try:
