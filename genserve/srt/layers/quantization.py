@@ -265,6 +265,19 @@ def quantize_model(model: nn.Module, mode: str) -> int:
     return sum(quantize_linear(model, name, mode) for name, _ in quantizable_linears(model))
 
 
+# Prequantized classes `auto` serves as stored on one device type, not re-rounded to int8wo:
+# (mode, device type, why not on another device, why chosen). On CUDA the stored float8 weights
+# run as they are (`_scaled_mm`), while a CPU keeps int8wo, its fast weight-only kernel, as for
+# any 8-bit checkpoint. Exact 4-bit groups (integers, scales and zeros) are repacked into int4wo
+# on a CPU, where int8wo would round them onto a new grid.
+_KEPT_AS_STORED = {
+    FP8_CLASS: ("fp8", "cuda", "fp8 is chosen on cuda only",
+                "fp8 checkpoint on cuda: its float8 weights kept, torch._scaled_mm"),
+    EXACT_INT4: ("int4wo", "cpu", "the repack into int4wo is for cpu",
+                 "4-bit checkpoint: its groups repacked as stored into int4 weights"),
+}
+
+
 def choose_quantization(
     requested: str, source_class: str | None, model: nn.Module, device: torch.device
 ) -> QuantizationChoice:
@@ -292,23 +305,13 @@ def choose_quantization(
     if source_class is None:
         return QuantizationChoice("none", "full-precision checkpoint: kept as is")
     why = f"quantized ({source_class}) checkpoint: int8 weights"
-    if source_class == FP8_CLASS:
-        # On CUDA the stored float8 weights run as they are (`_scaled_mm`); a CPU keeps int8wo,
-        # its fast weight-only kernel, as for any 8-bit checkpoint.
-        why_not = ("fp8 is chosen on cuda only" if device.type != "cuda"
-                   else unsupported_reason("fp8", model, device))
+    kept = _KEPT_AS_STORED.get(source_class)
+    if kept is not None:
+        mode, device_type, off_device, chosen = kept
+        why_not = (off_device if device.type != device_type
+                   else unsupported_reason(mode, model, device))
         if why_not is None:
-            return QuantizationChoice("fp8", "fp8 checkpoint on cuda: its float8 weights kept, "
-                                             "torch._scaled_mm")
-        why += f" (not fp8: {why_not})"
-    if source_class == EXACT_INT4:
-        # The stored integers, scales and zeros are repacked, not re-rounded: int4wo serves
-        # the checkpoint's own weights where int8wo would round them onto a new grid.
-        why_not = ("the repack into int4wo is for cpu" if device.type != "cpu"
-                   else unsupported_reason("int4wo", model, device))
-        if why_not is None:
-            return QuantizationChoice("int4wo", "4-bit checkpoint: its groups repacked as "
-                                                "stored into int4 weights")
-        why += f" (not int4wo: {why_not})"
+            return QuantizationChoice(mode, chosen)
+        why += f" (not {mode}: {why_not})"
     check_supported("int8wo", model, device)
     return QuantizationChoice("int8wo", why)
