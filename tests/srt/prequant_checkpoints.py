@@ -277,3 +277,17 @@ def ct_config(fmt: str, weights: dict[str, Any], input_activations: dict | None 
         "kv_cache_scheme": None, "quant_method": "compressed-tensors",
         "quantization_status": "compressed", "sparsity_config": {},
     }
+
+
+def count_dequantized(monkeypatch, cls) -> list[str]:
+    """The names of the weights the prequantized format `cls` dequantizes to float32 from now
+    on (the path a repacked layer never takes), in order."""
+    calls: list[str] = []
+    original = cls.dequantize
+
+    def counting(self, qw, tensors):
+        calls.append(qw.name)
+        return original(self, qw, tensors)
+
+    monkeypatch.setattr(cls, "dequantize", counting)
+    return calls

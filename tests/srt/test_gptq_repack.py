@@ -51,18 +51,6 @@ def stored_groups(folder: Path, module: str):
     return q.t(), zeros.reshape(zeros.shape[0], -1) + 1, t[module + ".scales"].float()
 
 
-def count_dequantized(monkeypatch) -> list[str]:
-    calls: list[str] = []
-    original = GPTQ.dequantize
-
-    def counting(self, qw, tensors):
-        calls.append(qw.name)
-        return original(self, qw, tensors)
-
-    monkeypatch.setattr(GPTQ, "dequantize", counting)
-    return calls
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_int4wo_layers_are_the_checkpoints_own_groups(variant, plain, tmp_path, monkeypatch):
     """Every decoder layer is repacked, not dequantized (no GPTQ weight goes through the float32
@@ -71,7 +59,7 @@ def test_int4wo_layers_are_the_checkpoints_own_groups(variant, plain, tmp_path, 
     the dequantized weights' within bfloat16 rounding."""
     group, sym = VARIANTS[variant]
     quantized, dequantized = write_gptq(plain, tmp_path, group, sym)
-    calls = count_dequantized(monkeypatch)
+    calls = pc.count_dequantized(monkeypatch, GPTQ)
     model = _load(quantized, quantization=lambda m: "int4wo")
     assert calls == []
     ref = _load(dequantized)
@@ -109,7 +97,7 @@ def test_act_order_falls_back_to_dequantizing_with_a_reason(plain, tmp_path, mon
     """A g_idx that permutes the groups cannot be held by the kernel's contiguous groups: those
     layers are dequantized and requantized as before, and the log says why."""
     quantized, _ = write_gptq(plain, tmp_path, 32, False, desc_act=True)
-    calls = count_dequantized(monkeypatch)
+    calls = pc.count_dequantized(monkeypatch, GPTQ)
     with caplog.at_level("WARNING"):
         model = _load(quantized, quantization=lambda m: "int4wo")
     assert len(calls) == 2 * 7

@@ -123,18 +123,6 @@ def kernel_weights(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor
     ).t()
 
 
-def count_dequantized(monkeypatch, cls) -> list[str]:
-    calls: list[str] = []
-    original = cls.dequantize
-
-    def counting(self, qw, tensors):
-        calls.append(qw.name)
-        return original(self, qw, tensors)
-
-    monkeypatch.setattr(cls, "dequantize", counting)
-    return calls
-
-
 @pytest.mark.parametrize("variant", list(EXACT))
 def test_int4wo_layers_hold_the_checkpoints_own_weights(variant, plain, tmp_path, monkeypatch):
     """Every decoder layer is repacked (no weight goes through the float32 dequantizing path);
@@ -146,7 +134,7 @@ def test_int4wo_layers_hold_the_checkpoints_own_weights(variant, plain, tmp_path
     method = "awq" if variant.startswith("awq") else "ct"
     quantized, dequantized = pc.write_pair(plain, tmp_path, qconfig, quantize)
     assert precision_class(quantized) == "int4-exact"
-    calls = count_dequantized(monkeypatch, AWQ if method == "awq" else CompressedTensors)
+    calls = pc.count_dequantized(monkeypatch, AWQ if method == "awq" else CompressedTensors)
     model = _load(quantized, quantization=lambda m: "int4wo")
     assert calls == []
     ref = dict(load_file(str(dequantized / "model.safetensors")))
@@ -236,7 +224,7 @@ def test_variants_int4wo_cannot_hold_are_dequantized_with_a_reason(
     qconfig, quantize, cls, reason = FALLBACK[variant]
     quantized, _ = pc.write_pair(plain, tmp_path, qconfig, quantize, dense=False)
     assert precision_class(quantized) == "int4"
-    calls = count_dequantized(monkeypatch, cls)
+    calls = pc.count_dequantized(monkeypatch, cls)
     with caplog.at_level("INFO"):
         model = _load(quantized, quantization=lambda m: "int4wo")
     assert len(calls) == 2 * 7
