@@ -14,8 +14,12 @@ position and size continue, everything the prompt says changes). Rectified flow 
 pixels: x_s = (1 - s) x0 + s noise, s drawn uniformly or from the serving step grids; the loss
 is on the clean chunk, whatever the transformer's output means (`--prediction`: the clean chunk
 itself, the velocity, or EDM's skip mix; `stream_model.Parameterization`, saved in the export).
-Shape pixels weigh more in the loss. A run may change `--prediction` when it resumes (a
-fine-tune into the new parameterization); export with the flag the run trained with.
+Shape pixels weigh more in the loss, and with `--shape-weight` so do the latent values that
+tell the shapes apart (the distance from the same chunk drawn with each other shape): a blob
+half-way between a circle and a square costs little in a plain MSE, the corners being a few
+pixels, and that is what a few-step sampler draws from high noise. A run may change
+`--prediction` when it resumes (a fine-tune into the new parameterization); export with the
+flag the run trained with.
 
 Self-continuation: with `--rollout-frac`, that share of the examples replaces its last history
 chunk with the model's own sample (EMA weights, the serving step count), reads where its shape
@@ -34,6 +38,7 @@ the EMA weights are exported to `--out`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 from pathlib import Path
 
@@ -144,6 +149,19 @@ class Example:
                 [self.target_scene] * FRAMES_PER_CHUNK, self.state, MODEL_SIZE
             )
 
+    def other_shapes(self) -> list[np.ndarray]:
+        """The target chunk drawn with each other shape of the grammar (same place, colour,
+        background and motion): what the chunk would be had the prompt named another shape."""
+        return [
+            stream_world.render(
+                [dataclasses.replace(self.target_scene, shape=shape)] * FRAMES_PER_CHUNK,
+                self.state,
+                MODEL_SIZE,
+            )[0]
+            for shape in world.SHAPES
+            if shape != self.target_scene.shape
+        ]
+
 
 def _batch_inputs(pipe, examples: list[Example], before_last: bool = False):
     """Packed history inputs of `examples`; `before_last` builds the window that made their
@@ -221,6 +239,17 @@ def _fg_weight(pipe, target: torch.Tensor, scenes: list[world.Scene]) -> torch.T
     return pipe.pack(w.expand(-1, 3, -1, -1, -1).contiguous())
 
 
+def _shape_weight(pipe, x0: torch.Tensor, examples: list[Example]) -> torch.Tensor:
+    """Per latent value [B, C, F, h, w]: how far the target is from the same chunk drawn with
+    each other shape (`Example.other_shapes`), summed. Large exactly where the latents say
+    which shape it is (a square's corners, a triangle's slopes), and zero on the background
+    and in the shape's middle, which every shape shares."""
+    others = [torch.stack([_to_tensor(c) for c in ex.other_shapes()]) for ex in examples]
+    alt = _pack(pipe, torch.cat(others))
+    alt = alt.view(len(examples), len(others[0]), *x0.shape[1:])
+    return (alt - x0.unsqueeze(1)).abs().sum(1)
+
+
 def train(args: argparse.Namespace) -> None:
     work = seed_and_work_dir(args.seed, Path(args.work_dir))
     pipe = build_stream_pipeline(
@@ -275,6 +304,8 @@ def train(args: argparse.Namespace) -> None:
         target_pix = torch.stack([_to_tensor(ex.target) for ex in examples])
         x0 = _pack(pipe, target_pix)
         weight = _fg_weight(pipe, target_pix, [ex.target_scene for ex in examples])
+        if args.shape_weight > 0:
+            weight = weight + args.shape_weight * _shape_weight(pipe, x0, examples)
         b = x0.shape[0]
         sigma = torch.rand(b)
         grid = torch.rand(b) < args.grid_frac
@@ -377,6 +408,13 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=1.0,
         help="standard deviation of the clean latents, for --prediction edm",
+    )
+    p.add_argument(
+        "--shape-weight",
+        type=float,
+        default=0.0,
+        help="extra loss weight per unit of latent distance from the chunk drawn with the "
+        "other shapes: what tells the shapes apart weighs more",
     )
     p.add_argument(
         "--export-only",

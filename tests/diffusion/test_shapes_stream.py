@@ -164,7 +164,7 @@ def test_latent_space_training_serves_through_the_autoencoder(tmp_path):
     stream_ae.export(stream_ae.build_autoencoder(), ae_dir, count=8)
     stream_train.main(["--work-dir", str(tmp_path / "work"), "--out", str(out),
                        "--batch-size", "2", "--rollout-steps", "1", "--rollout-frac", "0.5",
-                       "--steps", "1", "--autoencoder", str(ae_dir)])
+                       "--steps", "1", "--autoencoder", str(ae_dir), "--shape-weight", "2"])
     served = load_model(str(out), name="shapes-stream-latent-test")
     assert served.pipe.latent_shape == (stream_ae.LATENT_CHANNELS, 8)
     stream = served.new_stream(0, 64, 64)
@@ -198,3 +198,27 @@ def test_videos_open_in_the_centre_and_the_transformer_reads_torus_coordinates()
     assert torch.allclose(sin_x ** 2 + cos_x ** 2, torch.ones(16, 16))
     assert torch.allclose(sin_x[0], sin_x[5]) and torch.allclose(sin_y[:, 0], sin_y[:, 7])
     assert sin_x[0].sum().abs() < 1e-4 and cos_y[:, 0].sum().abs() < 1e-4  # one whole turn
+
+
+def test_the_shape_weight_marks_what_tells_the_shapes_apart():
+    """`--shape-weight`'s map: the distance of the target chunk from the same chunk drawn with
+    each other shape. In pixel space it is zero on the far background and in the middle of the
+    shape (every shape covers it), and at a square's corner at least a full red-on-black step
+    (2 in the red channel: the circle leaves the corner black)."""
+    import random
+
+    from genserve.demo_models import stream_model, stream_train
+
+    square = world.Scene("red", "square", "black", direction="right")
+    ex = stream_train.Example(random.Random(0), np.random.default_rng(0), [square], 0.0,
+                              rollout=False, first_frac=1.0)
+    others = ex.other_shapes()
+    assert len(others) == 2 and all(o.shape == ex.target.shape for o in others)
+    assert sorted(ev.read_frame(o[0]).shape for o in others) == ["circle", "triangle"]
+    pipe = stream_model.build_stream_pipeline()
+    x0 = stream_train._pack(pipe, stream_train._to_tensor(ex.target)[None])
+    d = stream_model.unpack(stream_train._shape_weight(pipe, x0, [ex]))[0, :, 0].sum(0)
+    cx, cy = (round(v) for v in ev.read_frame(ex.target[0]).centre)
+    r = int(stream_world.RADIUS * stream_model.MODEL_SIZE / stream_world.SIZE)
+    assert d[cy, cx] == 0 and d[cy, (cx + 16) % 32] == 0  # the middle; the far background
+    assert float(d[cy - r + 1, cx + r - 1]) >= 2.0
