@@ -21,6 +21,7 @@ check before a transformer is trained in this latent space).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 from pathlib import Path
 
@@ -55,20 +56,32 @@ def decode(ae: AutoencoderTiny, latents: torch.Tensor) -> torch.Tensor:
 
 
 def random_frames(rng: random.Random, nrng: np.random.Generator, scenes: list[world.Scene],
-                  n: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  n: int, shape_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """`n` frames [n, 3, 32, 32] in [-1, 1] of random scenes at random torus positions, and a
-    loss weight of the same shape (FG_WEIGHT on the shape's pixels)."""
+    loss weight of the same shape: FG_WEIGHT on the shape's pixels, plus `shape_weight` on each
+    pixel for every other shape of the grammar that would draw it differently there (a
+    square's corners, a triangle's slopes: the few pixels that say which shape it is)."""
     frames, weights = [], []
     for _ in range(n):
         scene = scenes[rng.randrange(len(scenes))]
         state = stream_world.StreamState.random(nrng)
-        pix, _ = stream_world.render([scene], state, FRAME_SIZE)
-        t = torch.from_numpy(pix[0]).permute(2, 0, 1).float() / 127.5 - 1.0
+        t = _render(scene, state)
         bg = torch.tensor(world.BACKGROUNDS[scene.background], dtype=torch.float32)
         fg = ((t - (bg / 127.5 - 1.0).view(3, 1, 1)).abs().amax(0, keepdim=True) > 0.2).float()
+        w = 1.0 + (FG_WEIGHT - 1.0) * fg
+        if shape_weight > 0:
+            for shape in world.SHAPES:
+                if shape != scene.shape:
+                    alt = _render(dataclasses.replace(scene, shape=shape), state)
+                    w = w + shape_weight * ((alt - t).abs().amax(0, keepdim=True) > 0.2)
         frames.append(t)
-        weights.append((1.0 + (FG_WEIGHT - 1.0) * fg).expand(3, -1, -1))
+        weights.append(w.expand(3, -1, -1))
     return torch.stack(frames), torch.stack(weights)
+
+
+def _render(scene: world.Scene, state: stream_world.StreamState) -> torch.Tensor:
+    pix, _ = stream_world.render([scene], state, FRAME_SIZE)
+    return torch.from_numpy(pix[0]).permute(2, 0, 1).float() / 127.5 - 1.0
 
 
 def train(args: argparse.Namespace) -> None:
@@ -94,7 +107,7 @@ def train(args: argparse.Namespace) -> None:
     nrng = np.random.default_rng(args.seed + run.step)
     run.begin("train shapes-stream autoencoder")
     while run.going():
-        x, w = random_frames(run.rng, nrng, scenes, args.batch_size)
+        x, w = random_frames(run.rng, nrng, scenes, args.batch_size, args.shape_weight)
         run.set_lr()
         z = encode(ae, x)
         z = z + args.latent_noise * torch.randn_like(z)  # a smooth latent to denoise in
@@ -166,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cosine", action="store_true")
     p.add_argument("--ema", type=float, default=0.99)
     p.add_argument("--latent-noise", type=float, default=0.05)
+    p.add_argument("--shape-weight", type=float, default=0.0,
+                   help="extra loss weight on the pixels where another shape would differ")
     p.add_argument("--gate", action="store_true", help="only read the checkpoint's gate")
     p.add_argument("--export-only", action="store_true", help="only export to --out")
     p.add_argument("--decoder-only", action="store_true",

@@ -222,3 +222,21 @@ def test_the_shape_weight_marks_what_tells_the_shapes_apart():
     r = int(stream_world.RADIUS * stream_model.MODEL_SIZE / stream_world.SIZE)
     assert d[cy, cx] == 0 and d[cy, (cx + 16) % 32] == 0  # the middle; the far background
     assert float(d[cy - r + 1, cx + r - 1]) >= 2.0
+
+
+def test_the_autoencoder_weighs_the_pixels_that_tell_shapes_apart():
+    """`stream_ae --shape-weight`: the same frames, and on top of the foreground weight one
+    `shape_weight` per other shape that would draw the pixel differently; nothing elsewhere."""
+    import random
+
+    import torch
+
+    from genserve.demo_models import stream_ae
+
+    scenes = [world.Scene("red", "square", "black", direction="right"), OTHER]
+    x1, w1 = stream_ae.random_frames(random.Random(1), np.random.default_rng(1), scenes, 4)
+    x2, w2 = stream_ae.random_frames(random.Random(1), np.random.default_rng(1), scenes, 4, 3.0)
+    assert torch.equal(x1, x2)
+    extra = w2 - w1
+    assert set(extra.unique().tolist()) == {0.0, 3.0, 6.0}
+    assert 0 < float((extra > 0).float().mean()) < 0.1  # a few edge pixels a frame
