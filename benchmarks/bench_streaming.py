@@ -13,7 +13,7 @@ real diffusion worker, each stream one continuous video kept in the worker betwe
    against the same streams run one after another, `--batch-chunks` chunks each; frame
    throughput of both, measured side by side, and their ratio (target >= 2.5x for 4 streams).
 
-Usage: python benchmarks/bench_streaming.py [--model tiny-helios] [--size 64x64] [--steps 2]
+Usage: python benchmarks/bench_streaming.py [--model tiny-helios|FOLDER] [--size 64x64] [--steps 2]
        [--prompt TEXT]
        [--chunks 50] [--rss-chunks 200] [--streams 4] [--batch-chunks 6] [--device auto]
        [--json out.json]
@@ -139,7 +139,8 @@ def _first_frame(client, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny-helios")
+    parser.add_argument("--model", default="tiny-helios",
+                        help="a served name or a trained folder (a shapes-stream export)")
     parser.add_argument("--size", default="64x64")
     parser.add_argument("--prompt", default="a red circle moving right on a black background",
                         help="the streams' prompt (the shapes grammar suits shapes-stream)")
@@ -162,8 +163,9 @@ def main() -> None:
 
     client = start_diffusion_client([args.model], SimpleNamespace(
         device=args.device, diffusion_max_batch_size=max(4, args.streams)))
+    path, args.model = args.model, client.specs()[0].name  # a folder serves as its own name
     spec = client.model_spec(args.model)
-    results = {"model": args.model, "size": args.size, "steps": args.steps,
+    results = {"model": path, "size": args.size, "steps": args.steps,
                "chunk_frames": spec.default_num_frames}
     try:
         results["first_frame"] = _first_frame(client, args)
