@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genserve.srt.layers import int8_gemv
 from genserve.srt.layers.fp8_linear import fp8_linear, pad_to_16, scaled_mm_refusal
 from genserve.srt.layers.prequantized.base import EXACT_INT4, FP8_CLASS
 from genserve.srt.server_args import QUANTIZATIONS
@@ -94,6 +95,7 @@ class WeightOnlyLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), False)
         # A fused layer's shard layout (LoRA reads it, whichever form the layer is in).
         self.shard_offsets = dict(getattr(linear, "shard_offsets", None) or {})
+        self.gemv = False  # see the int8wo branch
         if not quantize:
             return
         if mode == "int8wo":
@@ -108,6 +110,8 @@ class WeightOnlyLinear(nn.Module):
             scale = torch.cat([q.scale.reshape(-1) for q in chunks])
             self.register_buffer("qweight", qdata.contiguous())  # [out, in] int8
             self.register_buffer("scale", scale.to(self.act_dtype))  # [out]
+            # One-row matmuls (batch-1 decode steps) run the prefetching kernel on a CPU.
+            self.gemv = self.act_dtype == torch.bfloat16 and int8_gemv.usable(self.qweight)
             return
         if mode != "int4wo":
             raise ValueError(f"WeightOnlyLinear mode must be int8wo or int4wo, got {mode!r}")
@@ -167,7 +171,11 @@ class WeightOnlyLinear(nn.Module):
         a = x.to(self.act_dtype)
         if self.mode == "int8wo":
             flat = a.reshape(-1, self.in_features)
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale)
+            rows = flat.shape[0]  # a plain int, or a symbol in a graph compiled dynamic
+            if self.gemv and isinstance(rows, int) and rows == 1 and flat.is_cpu:
+                y = int8_gemv.int8_gemv(flat, self.qweight, self.scale)
+            else:
+                y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale)
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:
             y = F.linear(a, self.qweight)
