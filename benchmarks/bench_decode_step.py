@@ -70,9 +70,9 @@ def main() -> None:
     from genserve import Engine
 
     if args.kernel_profile:
-        import torch._inductor.config
+        from torch._inductor import config as inductor_config
 
-        torch._inductor.config.cpp.enable_kernel_profile = True
+        inductor_config.cpp.enable_kernel_profile = True
 
     t0 = time.perf_counter()
     engine = Engine(
