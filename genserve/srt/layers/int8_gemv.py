@@ -1,10 +1,12 @@
-"""`int8_gemv`: the int8 weight-only matmul of one row on an AVX-512 CPU (a batch-1 decode step).
+"""`int8_gemv`: the int8 weight-only matmul of a few rows (a decode step, a speculative verify)
+on an AVX-512 CPU.
 
-`aten._weight_int8pack_mm` reads the weight rows of a one-row matmul from memory in runs of a
-few hundred bytes (four rows at a time) with a prefetch one cache line ahead, too short a run
-for the hardware prefetcher: at batch 1, where every weight is read once per token, the kernel
-waits on memory. `int8_gemv.cpp` is that kernel's AVX-512 branch, the same arithmetic in the
-same order, so its outputs are bit-identical, with the rows of the blocks ahead prefetched.
+`aten._weight_int8pack_mm` reads four weight rows at a time with a prefetch one cache line
+ahead within each: with a few activation rows, where every weight is read from memory once per
+token, the kernel waits on memory. `int8_gemv.cpp` is that kernel's AVX-512 branch, the same
+arithmetic in the same order, so its outputs are bit-identical, with the weight rows of the
+blocks ahead prefetched into L2 and each block applied to all activation rows while it is
+cached.
 
 The C++ op (`torch.ops.genserve_cpu.int8_gemv`) is built on first use with torch's C++
 extension builder (a C++ compiler and ninja, as `--compile` needs a compiler) into
@@ -27,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("int8_gemv.cpp")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mfma", "-ffp-contract=off"]
+# Matmuls of up to this many rows run `int8_gemv`; longer ones (prefills) keep aten's kernel.
+MAX_ROWS = 8
 
 
 def _cpu_has_avx512() -> bool:
@@ -65,18 +69,18 @@ def available() -> bool:
 
     @torch.library.register_fake("genserve_cpu::int8_gemv")
     def _(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return a.new_empty(1, w.shape[0])
+        return a.new_empty(a.shape[0], w.shape[0])
 
     return True
 
 
 def usable(qweight: torch.Tensor) -> bool:
-    """Whether one-row matmuls with this int8 weight [out, in] can run `int8_gemv`: on a CPU,
+    """Whether matmuls of a few rows with this int8 weight [out, in] can run `int8_gemv`: on a CPU,
     an input width that is a multiple of 16, and the op built."""
     return qweight.device.type == "cpu" and qweight.shape[1] % 16 == 0 and available()
 
 
 def int8_gemv(a: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`aten._weight_int8pack_mm(a, qweight, scale)` for a [1, in] bfloat16, qweight [out, in]
-    int8, scale [out] bfloat16; [1, out] bfloat16, bit-identical to it."""
+    """`aten._weight_int8pack_mm(a, qweight, scale)` for a [rows, in] bfloat16, qweight
+    [out, in] int8, scale [out] bfloat16; [rows, out] bfloat16, bit-identical to it."""
     return torch.ops.genserve_cpu.int8_gemv(a.contiguous(), qweight, scale)

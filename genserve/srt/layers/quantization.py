@@ -110,7 +110,7 @@ class WeightOnlyLinear(nn.Module):
             scale = torch.cat([q.scale.reshape(-1) for q in chunks])
             self.register_buffer("qweight", qdata.contiguous())  # [out, in] int8
             self.register_buffer("scale", scale.to(self.act_dtype))  # [out]
-            # One-row matmuls (batch-1 decode steps) run the prefetching kernel on a CPU.
+            # Matmuls of a few rows (decode steps, verifies) run the prefetching kernel on a CPU.
             self.gemv = self.act_dtype == torch.bfloat16 and int8_gemv.usable(self.qweight)
             return
         if mode != "int4wo":
@@ -172,7 +172,7 @@ class WeightOnlyLinear(nn.Module):
         if self.mode == "int8wo":
             flat = a.reshape(-1, self.in_features)
             rows = flat.shape[0]  # a plain int, or a symbol in a graph compiled dynamic
-            if self.gemv and isinstance(rows, int) and rows == 1 and flat.is_cpu:
+            if self.gemv and isinstance(rows, int) and rows <= int8_gemv.MAX_ROWS and flat.is_cpu:
                 y = int8_gemv.int8_gemv(flat, self.qweight, self.scale)
             else:
                 y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale)
