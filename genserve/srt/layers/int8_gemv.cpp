@@ -8,12 +8,12 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/to.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
 #include <cstring>
-#include <vector>
 
 namespace {
 
@@ -50,7 +50,7 @@ inline void block(const float* a, const int8_t* w, const c10::BFloat16* scale,
       }
     }
     __m512 va[ROWS];
-    for (int r = 0; r < ROWS; ++r) va[r] = _mm512_loadu_ps(a + (m0 + r) * k_dim + k);
+    for (int r = 0; r < ROWS; ++r) va[r] = _mm512_load_ps(a + (m0 + r) * k_dim + k);
     for (int c = 0; c < COLS; ++c) {
       const __m128i b8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cols + c * k_dim + k));
       __m512 vb = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b8));
@@ -77,6 +77,26 @@ inline void row_block(const float* a, const int8_t* w, const c10::BFloat16* scal
   }
 }
 
+// Weight blocks [begin, end) (four rows each) against every row of `a`. Every size is passed
+// by value: one thread calls it directly, since the loop ran slower as a lambda capturing them
+// by reference inside at::parallel_for.
+void weight_blocks(const float* a, const int8_t* w, const c10::BFloat16* scale, c10::BFloat16* y,
+                   int64_t m_dim, int64_t n_dim, int64_t k_dim, int64_t begin, int64_t end) {
+  const int64_t n_end = std::min(end * kBlockN, n_dim);
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t n0 = b * kBlockN;
+    for (int64_t m0 = 0; m0 < m_dim; m0 += 4) {
+      const int64_t pf = m0 == 0 ? n_end : 0;
+      switch (std::min<int64_t>(4, m_dim - m0)) {
+        case 4: row_block<4>(a, w, scale, y, m0, n0, n_dim, k_dim, pf); break;
+        case 3: row_block<3>(a, w, scale, y, m0, n0, n_dim, k_dim, pf); break;
+        case 2: row_block<2>(a, w, scale, y, m0, n0, n_dim, k_dim, pf); break;
+        default: row_block<1>(a, w, scale, y, m0, n0, n_dim, k_dim, pf); break;
+      }
+    }
+  }
+}
+
 // a [M, K] bfloat16 (M a few rows: a decode batch or a speculative verify), w [N, K] int8,
 // scale [N] bfloat16 -> [M, N] bfloat16. Each block of four weight rows is read from memory
 // once and applied to every row of `a`, four rows at a time.
@@ -93,29 +113,21 @@ at::Tensor int8_gemv(const at::Tensor& a, const at::Tensor& w, const at::Tensor&
               "int8_gemv: inputs must be contiguous");
   const int64_t m_dim = a.size(0), n_dim = w.size(0), k_dim = w.size(1);
   at::Tensor y = at::empty({m_dim, n_dim}, a.options());
-  // The rows widened to float32 once (exact).
-  std::vector<float> af(m_dim * k_dim);
-  const auto* a_ptr = a.const_data_ptr<c10::BFloat16>();
-  for (int64_t i = 0; i < m_dim * k_dim; ++i) af[i] = static_cast<float>(a_ptr[i]);
+  // The rows widened to float32 once (exact), 64-byte aligned by torch's allocator: with K a
+  // multiple of 16 every 16-float load is one aligned cache line.
+  const at::Tensor af = a.to(at::kFloat);
+  const float* af_ptr = af.const_data_ptr<float>();
   const auto* w_ptr = w.const_data_ptr<int8_t>();
   const auto* s_ptr = scale.const_data_ptr<c10::BFloat16>();
   auto* y_ptr = y.data_ptr<c10::BFloat16>();
   const int64_t blocks = (n_dim + kBlockN - 1) / kBlockN;
-  at::parallel_for(0, blocks, 0, [&](int64_t begin, int64_t end) {
-    const int64_t n_end = std::min(end * kBlockN, n_dim);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kBlockN;
-      for (int64_t m0 = 0; m0 < m_dim; m0 += 4) {
-        const int64_t pf = m0 == 0 ? n_end : 0;
-        switch (std::min<int64_t>(4, m_dim - m0)) {
-          case 4: row_block<4>(af.data(), w_ptr, s_ptr, y_ptr, m0, n0, n_dim, k_dim, pf); break;
-          case 3: row_block<3>(af.data(), w_ptr, s_ptr, y_ptr, m0, n0, n_dim, k_dim, pf); break;
-          case 2: row_block<2>(af.data(), w_ptr, s_ptr, y_ptr, m0, n0, n_dim, k_dim, pf); break;
-          default: row_block<1>(af.data(), w_ptr, s_ptr, y_ptr, m0, n0, n_dim, k_dim, pf); break;
-        }
-      }
-    }
-  });
+  if (at::get_num_threads() == 1 || at::in_parallel_region()) {
+    weight_blocks(af_ptr, w_ptr, s_ptr, y_ptr, m_dim, n_dim, k_dim, 0, blocks);
+  } else {
+    at::parallel_for(0, blocks, 0, [=](int64_t begin, int64_t end) {
+      weight_blocks(af_ptr, w_ptr, s_ptr, y_ptr, m_dim, n_dim, k_dim, begin, end);
+    });
+  }
   return y;
 }
 
