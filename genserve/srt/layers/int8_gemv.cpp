@@ -8,12 +8,11 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/to.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include <cstring>
+#include <algorithm>
 
 namespace {
 
@@ -115,8 +114,11 @@ at::Tensor int8_gemv(const at::Tensor& a, const at::Tensor& w, const at::Tensor&
   at::Tensor y = at::empty({m_dim, n_dim}, a.options());
   // The rows widened to float32 once (exact), 64-byte aligned by torch's allocator: with K a
   // multiple of 16 every 16-float load is one aligned cache line.
-  const at::Tensor af = a.to(at::kFloat);
-  const float* af_ptr = af.const_data_ptr<float>();
+  // (A loop here: a.to(kFloat) through the dispatcher cost more than the conversion.)
+  at::Tensor af = at::empty({m_dim, k_dim}, a.options().dtype(at::kFloat));
+  float* af_ptr = af.data_ptr<float>();
+  const auto* a_ptr = a.const_data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < m_dim * k_dim; ++i) af_ptr[i] = static_cast<float>(a_ptr[i]);
   const auto* w_ptr = w.const_data_ptr<int8_t>();
   const auto* s_ptr = scale.const_data_ptr<c10::BFloat16>();
   auto* y_ptr = y.data_ptr<c10::BFloat16>();
