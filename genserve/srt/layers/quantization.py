@@ -7,9 +7,11 @@ float16 models on CUDA), the activation dtype torch's packed-weight kernels are 
 output goes back to the model's dtype.
 
 torchao does the quantization math (`Int8Tensor.from_hp`, the int4 configs). The matmuls are
-torch's packed-weight kernels: `aten._weight_int8pack_mm` for int8, and for int4 the torchao
-tensor whose linear calls `aten._weight_int4pack_mm_for_cpu` (CPU, `PrototypeInt4WeightOnly
-Config`) or tinygemm's `aten._weight_int4pack_mm` (CUDA, the tile-packed format).
+torch's packed-weight kernels: `aten._weight_int8pack_mm` for int8 (on an AVX-512 CPU, matmuls
+of a few rows run `int8_gemv.py`'s bit-identical copy of it that prefetches), and for int4 the
+torchao tensor whose linear calls `aten._weight_int4pack_mm_for_cpu` (CPU,
+`PrototypeInt4WeightOnlyConfig`) or tinygemm's `aten._weight_int4pack_mm` (CUDA, the
+tile-packed format).
 
 `auto` runs a quantized GGUF (Q4 / Q5 / Q6 / Q8) or a pre-quantized checkpoint (FP8,
 compressed-tensors, GPTQ, AWQ: dequantized on load) as int8wo and leaves full-precision checkpoints
