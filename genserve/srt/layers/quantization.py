@@ -7,9 +7,11 @@ float16 models on CUDA), the activation dtype torch's packed-weight kernels are 
 output goes back to the model's dtype.
 
 torchao does the quantization math (`Int8Tensor.from_hp`, the int4 configs). The matmuls are
-torch's packed-weight kernels: `aten._weight_int8pack_mm` for int8, and for int4 the torchao
-tensor whose linear calls `aten._weight_int4pack_mm_for_cpu` (CPU, `PrototypeInt4WeightOnly
-Config`) or tinygemm's `aten._weight_int4pack_mm` (CUDA, the tile-packed format).
+torch's packed-weight kernels: `aten._weight_int8pack_mm` for int8 (on an AVX-512 CPU, matmuls
+of a few rows run `int8_gemv.py`'s bit-identical copy of it that prefetches), and for int4 the
+torchao tensor whose linear calls `aten._weight_int4pack_mm_for_cpu` (CPU,
+`PrototypeInt4WeightOnlyConfig`) or tinygemm's `aten._weight_int4pack_mm` (CUDA, the
+tile-packed format).
 
 `auto` runs a quantized GGUF (Q4 / Q5 / Q6 / Q8) or a pre-quantized checkpoint (FP8,
 compressed-tensors, GPTQ, AWQ: dequantized on load) as int8wo and leaves full-precision checkpoints
@@ -42,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genserve.srt.layers import int8_gemv
 from genserve.srt.layers.fp8_linear import fp8_linear, pad_to_16, scaled_mm_refusal
 from genserve.srt.layers.prequantized.base import EXACT_INT4, FP8_CLASS
 from genserve.srt.server_args import QUANTIZATIONS
@@ -94,6 +97,7 @@ class WeightOnlyLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), False)
         # A fused layer's shard layout (LoRA reads it, whichever form the layer is in).
         self.shard_offsets = dict(getattr(linear, "shard_offsets", None) or {})
+        self.gemv = False  # see the int8wo branch
         if not quantize:
             return
         if mode == "int8wo":
@@ -108,6 +112,8 @@ class WeightOnlyLinear(nn.Module):
             scale = torch.cat([q.scale.reshape(-1) for q in chunks])
             self.register_buffer("qweight", qdata.contiguous())  # [out, in] int8
             self.register_buffer("scale", scale.to(self.act_dtype))  # [out]
+            # Matmuls of a few rows (decode steps, verifies) run the prefetching kernel on a CPU.
+            self.gemv = self.act_dtype == torch.bfloat16 and int8_gemv.usable(self.qweight)
             return
         if mode != "int4wo":
             raise ValueError(f"WeightOnlyLinear mode must be int8wo or int4wo, got {mode!r}")
@@ -167,7 +173,11 @@ class WeightOnlyLinear(nn.Module):
         a = x.to(self.act_dtype)
         if self.mode == "int8wo":
             flat = a.reshape(-1, self.in_features)
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale)
+            rows = flat.shape[0]  # a plain int, or a symbol in a graph compiled dynamic
+            if self.gemv and isinstance(rows, int) and rows <= int8_gemv.MAX_ROWS and flat.is_cpu:
+                y = int8_gemv.int8_gemv(flat, self.qweight, self.scale)
+            else:
+                y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale)
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:
             y = F.linear(a, self.qweight)
