@@ -28,6 +28,13 @@ def _compile_restart(out: str) -> None:
         assert start["compile"] is False  # the smoke run is eager
 
 
+def _decode_step(out: str) -> None:
+    s = last_json(out)
+    assert (s["quantization"], s["compile"], s["decode_steps"]) == ("none", False, 7)
+    assert s["step_ms_median"] >= s["forward_ms_median"] > 0 and s["tok_s"] > 0
+    assert len(s["outputs_sha1"]) == 12
+
+
 def _dp(out: str) -> None:
     s = last_json(out)
     assert s["quantization"] == "none"
@@ -112,6 +119,7 @@ def _vlm(out: str) -> None:
 
 SCRIPTS = {
     "bench_compile_restart": ((), _compile_restart),
+    "bench_decode_step": ((), _decode_step),
     "bench_dp": ((), _dp),
     "bench_embeddings": ((), _embeddings),
     "bench_lang": ((), _lang),
