@@ -76,6 +76,23 @@ inline void row_block(const float* a, const int8_t* w, const c10::BFloat16* scal
   }
 }
 
+// Five to eight rows of `a` in one pass over a block of four weight rows, two weight rows at a
+// time: each weight is widened and scaled once for every row (two passes of four-row chunks
+// widened it twice), and ROWS x 2 accumulators, ROWS rows of `a` and two weights fit in the 32
+// vector registers. Every output's arithmetic is the same as in any other blocking.
+template <int ROWS>
+inline void wide_block(const float* a, const int8_t* w, const c10::BFloat16* scale,
+                       c10::BFloat16* y, int64_t n0, int64_t n_dim, int64_t k_dim,
+                       int64_t prefetch_end) {
+  for (int64_t n = n0; n < std::min(n0 + kBlockN, n_dim); n += 2) {
+    if (n_dim - n >= 2) {
+      block<ROWS, 2>(a, w, scale, y, 0, n, n_dim, k_dim, prefetch_end);
+    } else {
+      block<ROWS, 1>(a, w, scale, y, 0, n, n_dim, k_dim, prefetch_end);
+    }
+  }
+}
+
 // Weight blocks [begin, end) (four rows each) against every row of `a`. Every size is passed
 // by value: one thread calls it directly, since the loop ran slower as a lambda capturing them
 // by reference inside at::parallel_for.
@@ -84,6 +101,15 @@ void weight_blocks(const float* a, const int8_t* w, const c10::BFloat16* scale, 
   const int64_t n_end = std::min(end * kBlockN, n_dim);
   for (int64_t b = begin; b < end; ++b) {
     const int64_t n0 = b * kBlockN;
+    if (m_dim > 4 && m_dim <= 8) {
+      switch (m_dim) {
+        case 5: wide_block<5>(a, w, scale, y, n0, n_dim, k_dim, n_end); break;
+        case 6: wide_block<6>(a, w, scale, y, n0, n_dim, k_dim, n_end); break;
+        case 7: wide_block<7>(a, w, scale, y, n0, n_dim, k_dim, n_end); break;
+        default: wide_block<8>(a, w, scale, y, n0, n_dim, k_dim, n_end); break;
+      }
+      continue;
+    }
     for (int64_t m0 = 0; m0 < m_dim; m0 += 4) {
       const int64_t pf = m0 == 0 ? n_end : 0;
       switch (std::min<int64_t>(4, m_dim - m0)) {
