@@ -29,6 +29,19 @@ def test_int8_gemv_is_bit_identical_to_aten(out_features, in_features, rows):
     assert torch.equal(int8_gemv.int8_gemv(a, w, scale), expected)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_float32_rows_give_the_bfloat16_result_widened(rows):
+    """Float32 rows are rounded to bfloat16 inside the op and the result comes back as float32
+    values of aten's bfloat16 result, bit for bit."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randint(-128, 128, (130, 64), dtype=torch.int8, generator=g)
+    scale = (torch.rand(130, generator=g) / 50).to(torch.bfloat16)
+    a = torch.randn(rows, 64, generator=g)
+    expected = torch.ops.aten._weight_int8pack_mm(a.to(torch.bfloat16), w, scale).float()
+    got = int8_gemv.int8_gemv(a, w, scale)
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
+
+
 def test_a_decode_row_of_a_quantized_layer_matches_its_row_in_a_prefill():
     """A decode step (a few rows, the gemv) and a prefill (many rows, aten's kernel) give a
     token's row the same bits."""

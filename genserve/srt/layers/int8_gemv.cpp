@@ -24,9 +24,8 @@ constexpr int kAheadBlocks = 4;  // blocks prefetched ahead
 // k = lane (mod 16) in increasing k, then `_mm512_reduce_add_ps` sums the lanes and the sum is
 // rounded to bfloat16 (aten's `tinygemm_kernel`, AVX-512 branch). `prefetch_end`: the weights
 // of blocks ahead up to this row are prefetched (0: none, for a block's second row chunk).
-template <int ROWS, int COLS>
-inline void block(const float* a, const int8_t* w, const c10::BFloat16* scale,
-                  c10::BFloat16* y, int64_t m0, int64_t n0, int64_t n_dim, int64_t k_dim,
+template <int ROWS, int COLS, typename Out>
+inline void block(const float* a, const int8_t* w, const c10::BFloat16* scale, Out* y, int64_t m0, int64_t n0, int64_t n_dim, int64_t k_dim,
                   int64_t prefetch_end) {
   __m512 acc[ROWS][COLS];
   __m512 sc[COLS];
@@ -59,20 +58,21 @@ inline void block(const float* a, const int8_t* w, const c10::BFloat16* scale,
   }
   for (int r = 0; r < ROWS; ++r) {
     for (int c = 0; c < COLS; ++c) {
-      y[(m0 + r) * n_dim + n0 + c] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r][c]));
+      // Rounded to bfloat16 as aten rounds; a float32 output holds that bfloat16 exactly.
+      y[(m0 + r) * n_dim + n0 + c] =
+          static_cast<Out>(static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r][c])));
     }
   }
 }
 
-template <int ROWS>
-inline void row_block(const float* a, const int8_t* w, const c10::BFloat16* scale,
-                      c10::BFloat16* y, int64_t m0, int64_t n0, int64_t n_dim, int64_t k_dim,
+template <int ROWS, typename Out>
+inline void row_block(const float* a, const int8_t* w, const c10::BFloat16* scale, Out* y, int64_t m0, int64_t n0, int64_t n_dim, int64_t k_dim,
                       int64_t prefetch_end) {
   switch (std::min<int64_t>(kBlockN, n_dim - n0)) {
-    case 4: block<ROWS, 4>(a, w, scale, y, m0, n0, n_dim, k_dim, prefetch_end); break;
-    case 3: block<ROWS, 3>(a, w, scale, y, m0, n0, n_dim, k_dim, prefetch_end); break;
-    case 2: block<ROWS, 2>(a, w, scale, y, m0, n0, n_dim, k_dim, prefetch_end); break;
-    default: block<ROWS, 1>(a, w, scale, y, m0, n0, n_dim, k_dim, prefetch_end); break;
+    case 4: block<ROWS, 4, Out>(a, w, scale, y, m0, n0, n_dim, k_dim, prefetch_end); break;
+    case 3: block<ROWS, 3, Out>(a, w, scale, y, m0, n0, n_dim, k_dim, prefetch_end); break;
+    case 2: block<ROWS, 2, Out>(a, w, scale, y, m0, n0, n_dim, k_dim, prefetch_end); break;
+    default: block<ROWS, 1, Out>(a, w, scale, y, m0, n0, n_dim, k_dim, prefetch_end); break;
   }
 }
 
@@ -80,15 +80,14 @@ inline void row_block(const float* a, const int8_t* w, const c10::BFloat16* scal
 // time: each weight is widened and scaled once for every row (two passes of four-row chunks
 // widened it twice), and ROWS x 2 accumulators, ROWS rows of `a` and two weights fit in the 32
 // vector registers. Every output's arithmetic is the same as in any other blocking.
-template <int ROWS>
-inline void wide_block(const float* a, const int8_t* w, const c10::BFloat16* scale,
-                       c10::BFloat16* y, int64_t n0, int64_t n_dim, int64_t k_dim,
+template <int ROWS, typename Out>
+inline void wide_block(const float* a, const int8_t* w, const c10::BFloat16* scale, Out* y, int64_t n0, int64_t n_dim, int64_t k_dim,
                        int64_t prefetch_end) {
   for (int64_t n = n0; n < std::min(n0 + kBlockN, n_dim); n += 2) {
     if (n_dim - n >= 2) {
-      block<ROWS, 2>(a, w, scale, y, 0, n, n_dim, k_dim, prefetch_end);
+      block<ROWS, 2, Out>(a, w, scale, y, 0, n, n_dim, k_dim, prefetch_end);
     } else {
-      block<ROWS, 1>(a, w, scale, y, 0, n, n_dim, k_dim, prefetch_end);
+      block<ROWS, 1, Out>(a, w, scale, y, 0, n, n_dim, k_dim, prefetch_end);
     }
   }
 }
@@ -96,38 +95,57 @@ inline void wide_block(const float* a, const int8_t* w, const c10::BFloat16* sca
 // Weight blocks [begin, end) (four rows each) against every row of `a`. Every size is passed
 // by value: one thread calls it directly, since the loop ran slower as a lambda capturing them
 // by reference inside at::parallel_for.
-void weight_blocks(const float* a, const int8_t* w, const c10::BFloat16* scale, c10::BFloat16* y,
+template <typename Out>
+void weight_blocks(const float* a, const int8_t* w, const c10::BFloat16* scale, Out* y,
                    int64_t m_dim, int64_t n_dim, int64_t k_dim, int64_t begin, int64_t end) {
   const int64_t n_end = std::min(end * kBlockN, n_dim);
   for (int64_t b = begin; b < end; ++b) {
     const int64_t n0 = b * kBlockN;
     if (m_dim > 4 && m_dim <= 8) {
       switch (m_dim) {
-        case 5: wide_block<5>(a, w, scale, y, n0, n_dim, k_dim, n_end); break;
-        case 6: wide_block<6>(a, w, scale, y, n0, n_dim, k_dim, n_end); break;
-        case 7: wide_block<7>(a, w, scale, y, n0, n_dim, k_dim, n_end); break;
-        default: wide_block<8>(a, w, scale, y, n0, n_dim, k_dim, n_end); break;
+        case 5: wide_block<5, Out>(a, w, scale, y, n0, n_dim, k_dim, n_end); break;
+        case 6: wide_block<6, Out>(a, w, scale, y, n0, n_dim, k_dim, n_end); break;
+        case 7: wide_block<7, Out>(a, w, scale, y, n0, n_dim, k_dim, n_end); break;
+        default: wide_block<8, Out>(a, w, scale, y, n0, n_dim, k_dim, n_end); break;
       }
       continue;
     }
     for (int64_t m0 = 0; m0 < m_dim; m0 += 4) {
       const int64_t pf = m0 == 0 ? n_end : 0;
       switch (std::min<int64_t>(4, m_dim - m0)) {
-        case 4: row_block<4>(a, w, scale, y, m0, n0, n_dim, k_dim, pf); break;
-        case 3: row_block<3>(a, w, scale, y, m0, n0, n_dim, k_dim, pf); break;
-        case 2: row_block<2>(a, w, scale, y, m0, n0, n_dim, k_dim, pf); break;
-        default: row_block<1>(a, w, scale, y, m0, n0, n_dim, k_dim, pf); break;
+        case 4: row_block<4, Out>(a, w, scale, y, m0, n0, n_dim, k_dim, pf); break;
+        case 3: row_block<3, Out>(a, w, scale, y, m0, n0, n_dim, k_dim, pf); break;
+        case 2: row_block<2, Out>(a, w, scale, y, m0, n0, n_dim, k_dim, pf); break;
+        default: row_block<1, Out>(a, w, scale, y, m0, n0, n_dim, k_dim, pf); break;
       }
     }
   }
 }
 
-// a [M, K] bfloat16 (M a few rows: a decode batch or a speculative verify), w [N, K] int8,
-// scale [N] bfloat16 -> [M, N] bfloat16. Each block of four weight rows is read from memory
-// once and applied to every row of `a`, four rows at a time.
+template <typename Out>
+void run(const float* af, const at::Tensor& w, const at::Tensor& scale, Out* y, int64_t m_dim) {
+  const int64_t n_dim = w.size(0), k_dim = w.size(1);
+  const auto* w_ptr = w.const_data_ptr<int8_t>();
+  const auto* s_ptr = scale.const_data_ptr<c10::BFloat16>();
+  const int64_t blocks = (n_dim + kBlockN - 1) / kBlockN;
+  if (at::get_num_threads() == 1 || at::in_parallel_region()) {
+    weight_blocks<Out>(af, w_ptr, s_ptr, y, m_dim, n_dim, k_dim, 0, blocks);
+  } else {
+    at::parallel_for(0, blocks, 0, [=](int64_t begin, int64_t end) {
+      weight_blocks<Out>(af, w_ptr, s_ptr, y, m_dim, n_dim, k_dim, begin, end);
+    });
+  }
+}
+
+// a [M, K] bfloat16 or float32 (M a few rows: a decode batch or a speculative verify), w [N, K]
+// int8, scale [N] bfloat16 -> [M, N] in a's dtype. Each block of four weight rows is read from
+// memory once and applied to every row of `a`. A float32 `a` is rounded to bfloat16 first and
+// the bfloat16 result widened back, so int8_gemv(a) == aten(a.to(bf16), w, scale).float()
+// without the two casts as ops of their own (an eager forward dispatches them per matmul).
 at::Tensor int8_gemv(const at::Tensor& a, const at::Tensor& w, const at::Tensor& scale) {
-  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kBFloat16,
-              "int8_gemv: a must be [M, K] bfloat16");
+  const bool f32 = a.scalar_type() == at::kFloat;
+  TORCH_CHECK(a.dim() == 2 && (f32 || a.scalar_type() == at::kBFloat16),
+              "int8_gemv: a must be [M, K] bfloat16 or float32");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.size(1) == a.size(1),
               "int8_gemv: w must be [N, K] int8");
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == w.size(0) &&
@@ -138,23 +156,21 @@ at::Tensor int8_gemv(const at::Tensor& a, const at::Tensor& w, const at::Tensor&
               "int8_gemv: inputs must be contiguous");
   const int64_t m_dim = a.size(0), n_dim = w.size(0), k_dim = w.size(1);
   at::Tensor y = at::empty({m_dim, n_dim}, a.options());
-  // The rows widened to float32 once (exact), 64-byte aligned by torch's allocator: with K a
-  // multiple of 16 every 16-float load is one aligned cache line.
+  // The rows as float32 values of bfloat16s (exact), 64-byte aligned by torch's allocator:
+  // with K a multiple of 16 every 16-float load is one aligned cache line.
   // (A loop here: a.to(kFloat) through the dispatcher cost more than the conversion.)
   at::Tensor af = at::empty({m_dim, k_dim}, a.options().dtype(at::kFloat));
   float* af_ptr = af.data_ptr<float>();
-  const auto* a_ptr = a.const_data_ptr<c10::BFloat16>();
-  for (int64_t i = 0; i < m_dim * k_dim; ++i) af_ptr[i] = static_cast<float>(a_ptr[i]);
-  const auto* w_ptr = w.const_data_ptr<int8_t>();
-  const auto* s_ptr = scale.const_data_ptr<c10::BFloat16>();
-  auto* y_ptr = y.data_ptr<c10::BFloat16>();
-  const int64_t blocks = (n_dim + kBlockN - 1) / kBlockN;
-  if (at::get_num_threads() == 1 || at::in_parallel_region()) {
-    weight_blocks(af_ptr, w_ptr, s_ptr, y_ptr, m_dim, n_dim, k_dim, 0, blocks);
+  if (f32) {
+    const auto* a_ptr = a.const_data_ptr<float>();
+    for (int64_t i = 0; i < m_dim * k_dim; ++i) {
+      af_ptr[i] = static_cast<float>(static_cast<c10::BFloat16>(a_ptr[i]));
+    }
+    run<float>(af_ptr, w, scale, y.data_ptr<float>(), m_dim);
   } else {
-    at::parallel_for(0, blocks, 0, [=](int64_t begin, int64_t end) {
-      weight_blocks(af_ptr, w_ptr, s_ptr, y_ptr, m_dim, n_dim, k_dim, begin, end);
-    });
+    const auto* a_ptr = a.const_data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < m_dim * k_dim; ++i) af_ptr[i] = static_cast<float>(a_ptr[i]);
+    run<c10::BFloat16>(af_ptr, w, scale, y.data_ptr<c10::BFloat16>(), m_dim);
   }
   return y;
 }

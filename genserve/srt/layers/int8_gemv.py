@@ -82,5 +82,6 @@ def usable(qweight: torch.Tensor) -> bool:
 
 def int8_gemv(a: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`aten._weight_int8pack_mm(a, qweight, scale)` for a [rows, in] bfloat16, qweight
-    [out, in] int8, scale [out] bfloat16; [rows, out] bfloat16, bit-identical to it."""
+    [out, in] int8, scale [out] bfloat16; [rows, out] bfloat16, bit-identical to it. A float32
+    `a` gives `aten._weight_int8pack_mm(a.to(bfloat16), qweight, scale).float()`, bit for bit."""
     return torch.ops.genserve_cpu.int8_gemv(a.contiguous(), qweight, scale)

@@ -170,17 +170,25 @@ class WeightOnlyLinear(nn.Module):
         if self.mode == "fp8":
             y = fp8_linear(x, self.qweight, self.scale, self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
-        a = x.to(self.act_dtype)
         if self.mode == "int8wo":
-            flat = a.reshape(-1, self.in_features)
+            flat = x.reshape(-1, self.in_features)
             rows = flat.shape[0]  # a plain int, or a symbol in a graph compiled dynamic
-            if self.gemv and isinstance(rows, int) and rows <= int8_gemv.MAX_ROWS and flat.is_cpu:
+            if (
+                self.gemv
+                and isinstance(rows, int)
+                and rows <= int8_gemv.MAX_ROWS
+                and flat.is_cpu
+                and x.dtype in (torch.float32, torch.bfloat16)
+            ):
+                # Float32 rows go in as they are: the op rounds them to bfloat16 and returns
+                # float32 values of its bfloat16 results (the two casts, without their ops).
                 y = int8_gemv.int8_gemv(flat, self.qweight, self.scale)
             else:
+                flat = flat.to(self.act_dtype)
                 y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale)
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:
-            y = F.linear(a, self.qweight)
+            y = F.linear(x.to(self.act_dtype), self.qweight)
         y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
