@@ -117,6 +117,14 @@ def _vlm(out: str) -> None:
     assert isinstance(s["tokens_equal_hf"], bool)
 
 
+def _verify_step(out: str) -> None:
+    s = last_json(out)
+    assert (s["quantization"], s["compile"]) == ("none", False)
+    assert (s["verify_tokens"], s["iters"]) == (5, 3)
+    assert s["verify_ms_median"] > 0 and s["decode_ms_median"] > 0
+    assert len(s["verify_argmax_sha1"]) == 12
+
+
 SCRIPTS = {
     "bench_compile_restart": ((), _compile_restart),
     "bench_decode_step": ((), _decode_step),
@@ -128,6 +136,7 @@ SCRIPTS = {
     "bench_offline": ((), _offline),
     "bench_structured": ((), _structured),
     "bench_tp": ((), _tp),
+    "bench_verify_step": ((), _verify_step),
     "bench_vlm": ((), _vlm),
 }
 

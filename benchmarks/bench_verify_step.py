@@ -1,0 +1,133 @@
+"""One n-gram speculative verify forward against one decode step (issue 33).
+
+An offline Engine set up as `genserve serve` sets it up (the embedded SmolLM2-135M-Instruct
+GGUF, `--quantization auto`, the compiled batch-1 decode step) prefills a P-token prompt into
+a request row of its own, then times, interleaved, (a) a verify-shaped eager extend forward of
+k + 1 tokens after those P tokens with logits at every position (what
+`scheduler/speculative.py` runs for a lone request's chain draft), and (b) a batch-1 decode
+step after the same P tokens. Building each ForwardBatch is timed apart from its forward.
+
+    python benchmarks/bench_verify_step.py              # medians, ms
+    python benchmarks/bench_verify_step.py --profile    # torch.profiler's top ops of the verify
+    python benchmarks/bench_verify_step.py --smoke      # float32, no quantization/compile
+
+Run it with OMP_NUM_THREADS=1 for the one-thread figures of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2 GGUF")
+    p.add_argument("--quantization", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--prompt-len", type=int, default=300)
+    p.add_argument("--draft", type=int, default=4, help="draft tokens k (the verify feeds k+1)")
+    p.add_argument("--iters", type=int, default=40, help="timed verifies (and decode steps)")
+    p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops")
+    p.add_argument("--top", type=int, default=30, help="ops listed by --profile")
+    p.add_argument("--smoke", action="store_true", help="float32, no quantization or compile")
+    args = p.parse_args()
+    if args.smoke:
+        args.quantization, args.compile, args.dtype = "none", False, "float32"
+        args.iters, args.prompt_len = 3, 40
+
+    from genserve import Engine
+    from genserve.srt.forward_batch import ForwardMode
+
+    engine = Engine(
+        args.model_path, quantization=args.quantization, compile=args.compile, dtype=args.dtype
+    )
+    runner = engine.scheduler.runner
+    vocab = engine.runtime.config.vocab_size
+    rng = random.Random(0)
+    prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    engine.generate(input_ids=prompt[::-1], sampling_params=sp)  # warm-up (and the compile)
+
+    n, plen = args.draft + 1, args.prompt_len
+    (row,) = runner.req_to_token_pool.alloc(1)  # type: ignore[misc]
+    slots = runner.allocator.alloc(plen + n)
+    assert slots is not None
+    runner.req_to_token_pool.write(row, 0, slots)
+    prefill = runner.build_forward_batch(
+        ForwardMode.EXTEND, [row], prompt, [0], [plen], slots[:plen]
+    )
+    runner.forward(prefill)
+    draft = [rng.randrange(100, vocab) for _ in range(n)]
+
+    def verify_batch():
+        fb = runner.build_forward_batch(ForwardMode.EXTEND, [row], draft, [plen], [n], slots[plen:])
+        fb.logits_indices = torch.arange(n, dtype=torch.int64)
+        return fb
+
+    def decode_batch():
+        return runner.build_forward_batch(
+            ForwardMode.DECODE, [row], draft[:1], [plen], [1], slots[plen : plen + 1]
+        )
+
+    times: dict[str, list[float]] = {
+        "verify": [],
+        "verify_build": [],
+        "decode": [],
+        "decode_build": [],
+    }
+    logits = None
+    for i in range(args.iters + 2):
+        for name, build in (("verify", verify_batch), ("decode", decode_batch)):
+            t0 = time.perf_counter()
+            fb = build()
+            t1 = time.perf_counter()
+            out = runner.forward(fb)
+            t2 = time.perf_counter()
+            if name == "verify":
+                logits = out
+            if i >= 2:  # the first two of each are warm-up
+                times[name + "_build"].append((t1 - t0) * 1e3)
+                times[name].append((t2 - t1) * 1e3)
+    assert logits is not None
+    med = {k: round(statistics.median(v), 3) for k, v in times.items()}
+    summary = {
+        "threads": torch.get_num_threads(),
+        "quantization": engine.server_info().get("quantization"),
+        "compile": engine.server_info().get("compile"),
+        "dtype": str(runner.dtype),
+        "prompt_len": plen,
+        "verify_tokens": n,
+        "iters": len(times["verify"]),
+        "verify_ms_median": med["verify"],
+        "verify_build_ms_median": med["verify_build"],
+        "decode_ms_median": med["decode"],
+        "decode_build_ms_median": med["decode_build"],
+        "verify_over_decode": round(med["verify"] / med["decode"], 2),
+        "verify_argmax_sha1": hashlib.sha1(str(logits.argmax(-1).tolist()).encode()).hexdigest()[
+            :12
+        ],
+    }
+    print(json.dumps(summary), flush=True)
+
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(10):
+                runner.forward(verify_batch())
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    runner.allocator.free(slots)
+    runner.req_to_token_pool.free(row)
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
