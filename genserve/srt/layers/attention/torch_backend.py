@@ -46,6 +46,8 @@ class TorchAttnBackend(AttentionBackend):
         self._plain_rows: torch.Tensor | None = None  # decode rows not in a cascade group
         self._groups: list[_CascadeGroup] = []
         self._extend_slots: list[torch.Tensor] = []  # per request: [seq_len] KV slots
+        # per request: (mask, key positions, query positions) of its extend, or None
+        self._extend_masks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = []
         # Every decode row, for layers that cannot use the cascade plan (window, soft-cap).
         self._full_index: torch.Tensor | None = None  # [batch, max_len]
         self._full_valid: torch.Tensor | None = None  # [batch, max_len] bool
@@ -83,6 +85,40 @@ class TorchAttnBackend(AttentionBackend):
                 req_to_token[row, :seq_len] if prefix > 0 else None  # type: ignore[misc]
                 for row, seq_len, prefix in zip(rows, fb.seq_lens_cpu, fb.extend_prefix_lens_cpu)
             ]
+            # Each request's mask is the same in every layer (but a sliding window's cut): built
+            # once per forward, not per layer (an eager verify has 30 layers); a plain prefill's
+            # only where a layer needs one (`forward`).
+            blocks = fb.image_blocks or [None] * fb.batch_size
+            trees = fb.tree_masks or [None] * fb.batch_size
+            self._extend_masks = [
+                self._extend_mask(fb, i)
+                if prefix > 0 or blocks[i] or trees[i] is not None
+                else None
+                for i, prefix in enumerate(fb.extend_prefix_lens_cpu)
+            ]
+
+    def _extend_mask(
+        self, fb: ForwardBatch, i: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mask [new, seq_len] bool, key positions [seq_len], query positions [new]) of request
+        i's extend: token e (at position prefix + e) sees keys [0, prefix + e] and, inside an
+        image block, the whole block. A draft tree's token sees the prefix and its ancestors;
+        its position is prefix + its depth."""
+        device = fb.input_ids.device
+        start = sum(fb.extend_seq_lens_cpu[:i])
+        n_new, prefix = fb.extend_seq_lens_cpu[i], fb.extend_prefix_lens_cpu[i]
+        cols = torch.arange(prefix + n_new, device=device)
+        rows = torch.arange(n_new, device=device) + prefix
+        mask = cols[None, :] <= rows[:, None]
+        for lo, hi in fb.image_blocks[i] if fb.image_blocks is not None else ():
+            in_rows, in_cols = (rows >= lo) & (rows < hi), (cols >= lo) & (cols < hi)
+            mask |= in_rows[:, None] & in_cols[None, :]
+        tree = fb.tree_masks[i] if fb.tree_masks is not None else None
+        if tree is not None:
+            mask[:, prefix:] = tree
+            rows = fb.positions[start : start + n_new]
+            cols = torch.cat([cols[:prefix], rows])
+        return mask, cols, rows
 
     def _plan_plain(self, index: torch.Tensor, valid: torch.Tensor) -> None:
         self._groups, self._plain_rows = [], None
@@ -176,7 +212,6 @@ class TorchAttnBackend(AttentionBackend):
             end = start + n_new
             slots = self._extend_slots[i]
             q_i = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, new, head_dim]
-            prefix = fb.extend_prefix_lens_cpu[i]
             if slots is None:  # no cached prefix: the new tokens are the whole sequence
                 keys, values = k[start:end], v[start:end]
             else:
@@ -186,22 +221,14 @@ class TorchAttnBackend(AttentionBackend):
             if slots is None and not special and not blocks and tree is None:
                 mask, causal = None, True
             else:
-                # [new, seq_len]: token e (at position prefix + e) sees keys [0, prefix + e]
-                # and, inside an image block, the whole block; in a sliding-window layer only
-                # those of them in (prefix + e - window, ...). A draft tree's token sees the
-                # prefix and its ancestors; its position is prefix + its depth.
-                cols = torch.arange(keys.shape[0], device=q.device)
-                rows = torch.arange(n_new, device=q.device) + prefix
-                mask, causal = cols[None, :] <= rows[:, None], False
-                for lo, hi in blocks or ():
-                    in_rows, in_cols = (rows >= lo) & (rows < hi), (cols >= lo) & (cols < hi)
-                    mask |= in_rows[:, None] & in_cols[None, :]
-                if tree is not None:
-                    mask[:, prefix:] = tree
-                    rows = fb.positions[start:end]
-                    cols = torch.cat([cols[:prefix], rows])
+                # [new, seq_len] (`_extend_mask`); in a sliding-window layer only the keys in
+                # (prefix + e - window, ...) of those.
+                if self._extend_masks[i] is None:
+                    self._extend_masks[i] = self._extend_mask(fb, i)
+                mask, cols, rows = self._extend_masks[i]  # type: ignore[misc]
+                causal = False
                 if layer.sliding_window is not None:
-                    mask &= cols[None, :] > rows[:, None] - layer.sliding_window
+                    mask = mask & (cols[None, :] > rows[:, None] - layer.sliding_window)
             o = _attend(
                 q_i,
                 keys.transpose(0, 1).unsqueeze(0),
