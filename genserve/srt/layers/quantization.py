@@ -180,8 +180,11 @@ class WeightOnlyLinear(nn.Module):
                 and flat.is_cpu
                 and x.dtype in (torch.float32, torch.bfloat16)
             ):
-                # Float32 rows go in as they are: the op rounds them to bfloat16 and returns
-                # float32 values of its bfloat16 results (the two casts, without their ops).
+                # Eager, float32 rows go in as they are: the op rounds them to bfloat16 and
+                # returns float32 values of its bfloat16 results (the two casts without their
+                # ops). A compiled graph keeps the casts, which Inductor fuses into its kernels.
+                if torch.compiler.is_compiling():
+                    flat = flat.to(self.act_dtype)
                 y = int8_gemv.int8_gemv(flat, self.qweight, self.scale)
             else:
                 flat = flat.to(self.act_dtype)
