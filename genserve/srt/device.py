@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def cpu_has_native_bf16() -> bool:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            text = f.read()
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return frozenset()
+    return frozenset(
+        word for line in text.splitlines() if line.startswith("flags") for word in line.split()
+    )
+
+
+def cpu_has_native_bf16() -> bool:
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -9,7 +9,7 @@ from genserve.srt.layers import int8_gemv
 from genserve.srt.layers.quantization import WeightOnlyLinear
 from tests import needs
 
-if not int8_gemv._cpu_has_avx512():
+if not int8_gemv.cpu_has_avx512():
     pytest.skip("the kernel is for AVX-512 CPUs", allow_module_level=True)
 if not int8_gemv.available():  # CI installs ninja (requirements) and has a C++ compiler
     needs.missing("a C++ compiler and ninja to build int8_gemv", module_level=True)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from genserve import envs
+from genserve.srt.device import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -33,19 +34,14 @@ _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mfma", "-ffp-contract=off"]
 MAX_ROWS = 8
 
 
-def _cpu_has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512f" in flags and "avx512bw" in flags
+def cpu_has_avx512() -> bool:
+    return {"avx512f", "avx512bw"} <= cpu_flags()
 
 
 @functools.cache
 def available() -> bool:
     """Whether `torch.ops.genserve_cpu.int8_gemv` is loaded (built here on the first call)."""
-    if not _cpu_has_avx512():
+    if not cpu_has_avx512():
         return False
     try:
         from torch.utils.cpp_extension import load
