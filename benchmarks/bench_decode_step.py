@@ -45,17 +45,22 @@ def timed_forwards(runner) -> tuple[list[float], list[float]]:
     return spans, starts
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine and prompt options this script shares with bench_verify_step.py."""
     p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2 GGUF")
     p.add_argument("--quantization", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--prompt-len", type=int, default=300)
-    p.add_argument("--steps", type=int, default=64, help="decode steps per request")
-    p.add_argument("--repeats", type=int, default=3, help="timed requests (after one warm-up)")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops")
     p.add_argument("--top", type=int, default=30, help="ops listed by --profile")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_engine_args(p)
+    p.add_argument("--steps", type=int, default=64, help="decode steps per request")
+    p.add_argument("--repeats", type=int, default=3, help="timed requests (after one warm-up)")
     p.add_argument(
         "--kernel-profile",
         action="store_true",

@@ -24,19 +24,14 @@ import statistics
 import time
 
 import torch
+from bench_decode_step import add_engine_args  # the script's folder is on sys.path
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2 GGUF")
-    p.add_argument("--quantization", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--prompt-len", type=int, default=300)
+    add_engine_args(p)
     p.add_argument("--draft", type=int, default=4, help="draft tokens k (the verify feeds k+1)")
     p.add_argument("--iters", type=int, default=40, help="timed verifies (and decode steps)")
-    p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops")
-    p.add_argument("--top", type=int, default=30, help="ops listed by --profile")
     p.add_argument("--smoke", action="store_true", help="float32, no quantization or compile")
     args = p.parse_args()
     if args.smoke:
