@@ -18,7 +18,9 @@ so a torch.compile'd decode step calls it as an extern kernel.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -46,11 +48,22 @@ def available() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        build = envs.GENSERVE_CACHE_DIR.get() / "cpu_kernels" / f"torch-{torch.__version__}"
+        # One folder per source text, which holds its own copy of the source: ninja's build
+        # file names the source's path, so every checkout (a CI clone, a worktree) with the
+        # same kernel shares one build instead of rebuilding at each other's path.
+        code = _SOURCE.read_bytes()
+        digest = hashlib.sha1(code + " ".join(_FLAGS).encode()).hexdigest()[:16]
+        kernels = envs.GENSERVE_CACHE_DIR.get() / "cpu_kernels"
+        build = kernels / f"torch-{torch.__version__}-{digest}"
         build.mkdir(parents=True, exist_ok=True)
+        source = build / _SOURCE.name
+        if not source.exists() or source.read_bytes() != code:
+            tmp = build / f".{_SOURCE.name}.{os.getpid()}"
+            tmp.write_bytes(code)
+            tmp.replace(source)  # atomic: a concurrent build never reads half a file
         load(
             name="genserve_int8_gemv",
-            sources=[str(_SOURCE)],
+            sources=[str(source)],
             extra_cflags=_FLAGS,
             build_directory=str(build),
             is_python_module=False,
