@@ -9,6 +9,7 @@ step after the same P tokens. Building each ForwardBatch is timed apart from its
 
     python benchmarks/bench_verify_step.py              # medians, ms
     python benchmarks/bench_verify_step.py --profile    # torch.profiler's top ops of the verify
+    python benchmarks/bench_verify_step.py --rows       # also the verify as compiled decode rows
     python benchmarks/bench_verify_step.py --smoke      # float32, no quantization/compile
 
 Run it with OMP_NUM_THREADS=1 for the one-thread figures of docs/benchmarks.md.
@@ -32,6 +33,12 @@ def main() -> None:
     add_engine_args(p)
     p.add_argument("--draft", type=int, default=4, help="draft tokens k (the verify feeds k+1)")
     p.add_argument("--iters", type=int, default=40, help="timed verifies (and decode steps)")
+    p.add_argument(
+        "--rows",
+        action="store_true",
+        help="also time the verify laid out as decode rows, as GENSERVE_SPEC_COMPILED_VERIFY=1 "
+        "runs it (under compile: the compiled decode step; its first call compiles)",
+    )
     p.add_argument("--smoke", action="store_true", help="float32, no quantization or compile")
     args = p.parse_args()
     if args.smoke:
@@ -40,6 +47,7 @@ def main() -> None:
 
     from genserve import Engine
     from genserve.srt.forward_batch import ForwardMode
+    from genserve.srt.speculative.verify_rows import build_verify_rows
 
     engine = Engine(
         args.model_path, quantization=args.quantization, compile=args.compile, dtype=args.dtype
@@ -62,6 +70,9 @@ def main() -> None:
     runner.forward(prefill)
     draft = [rng.randrange(100, vocab) for _ in range(n)]
 
+    def rows_batch():
+        return build_verify_rows(runner, row, draft, plen, slots[plen:])
+
     def verify_batch():
         fb = runner.build_forward_batch(ForwardMode.EXTEND, [row], draft, [plen], [n], slots[plen:])
         fb.logits_indices = torch.arange(n, dtype=torch.int64)
@@ -72,27 +83,28 @@ def main() -> None:
             ForwardMode.DECODE, [row], draft[:1], [plen], [1], slots[plen : plen + 1]
         )
 
-    times: dict[str, list[float]] = {
-        "verify": [],
-        "verify_build": [],
-        "decode": [],
-        "decode_build": [],
-    }
-    logits = None
+    sides = [("verify", verify_batch), ("decode", decode_batch)]
+    if args.rows:
+        sides.append(("verify_rows", rows_batch))
+    times: dict[str, list[float]] = {k: [] for name, _ in sides for k in (name, name + "_build")}
+    logits: dict[str, torch.Tensor] = {}
     for i in range(args.iters + 2):
-        for name, build in (("verify", verify_batch), ("decode", decode_batch)):
+        for name, build in sides:
             t0 = time.perf_counter()
             fb = build()
             t1 = time.perf_counter()
             out = runner.forward(fb)
             t2 = time.perf_counter()
-            if name == "verify":
-                logits = out
+            if name != "decode":
+                logits[name] = out
             if i >= 2:  # the first two of each are warm-up
                 times[name + "_build"].append((t1 - t0) * 1e3)
                 times[name].append((t2 - t1) * 1e3)
-    assert logits is not None
     med = {k: round(statistics.median(v), 3) for k, v in times.items()}
+
+    def argmax_sha1(name: str) -> str:
+        return hashlib.sha1(str(logits[name].argmax(-1).tolist()).encode()).hexdigest()[:12]
+
     summary = {
         "threads": torch.get_num_threads(),
         "quantization": engine.server_info().get("quantization"),
@@ -106,10 +118,13 @@ def main() -> None:
         "decode_ms_median": med["decode"],
         "decode_build_ms_median": med["decode_build"],
         "verify_over_decode": round(med["verify"] / med["decode"], 2),
-        "verify_argmax_sha1": hashlib.sha1(str(logits.argmax(-1).tolist()).encode()).hexdigest()[
-            :12
-        ],
+        "verify_argmax_sha1": argmax_sha1("verify"),
     }
+    if args.rows:
+        summary["verify_rows_ms_median"] = med["verify_rows"]
+        summary["verify_rows_build_ms_median"] = med["verify_rows_build"]
+        summary["verify_rows_over_decode"] = round(med["verify_rows"] / med["decode"], 2)
+        summary["verify_rows_argmax_sha1"] = argmax_sha1("verify_rows")
     print(json.dumps(summary), flush=True)
 
     if args.profile:

@@ -123,6 +123,9 @@ def _verify_step(out: str) -> None:
     assert (s["verify_tokens"], s["iters"]) == (5, 3)
     assert s["verify_ms_median"] > 0 and s["decode_ms_median"] > 0
     assert len(s["verify_argmax_sha1"]) == 12
+    # The verify laid out as decode rows reads the same logits in float32.
+    assert s["verify_rows_ms_median"] > 0
+    assert s["verify_rows_argmax_sha1"] == s["verify_argmax_sha1"]
 
 
 SCRIPTS = {
@@ -136,7 +139,7 @@ SCRIPTS = {
     "bench_offline": ((), _offline),
     "bench_structured": ((), _structured),
     "bench_tp": ((), _tp),
-    "bench_verify_step": ((), _verify_step),
+    "bench_verify_step": (("--rows",), _verify_step),
     "bench_vlm": ((), _vlm),
 }
 
