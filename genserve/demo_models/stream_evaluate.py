@@ -12,9 +12,13 @@ the border). Reported:
   after a switch (that is what the switch latency measures);
 - continuity: the largest step of the shape's centre between consecutive frames (torus
   distance, as a share of the width) and how many steps exceed 1/8 of the width (a scene reset);
-- direction: share of schedule segments whose net travel goes the prompt's way;
+- direction: share of schedule segments whose net travel goes the prompt's way, over the
+  segments with at least `HOLD` frames after the grace (two switches in consecutive chunks
+  leave a segment too short to show a direction);
 - switch latency: frames from a switch until colour, background and shape read right for
-  `HOLD` frames in a row (the worst and mean over switches).
+  `HOLD` frames in a row, within the segment the switch opens (the worst and mean over
+  switches); a switch whose attributes never hold that long before the next one counts as the
+  segment's length.
 
 `score_stream` is pure numpy; `run_streams` drives the served `ShapesStreamFamily` chunk by chunk
 as the realtime path does.
@@ -120,6 +124,8 @@ def score_stream(frames: np.ndarray, schedule: Schedule) -> dict:
     bounds = schedule.starts[1:] + [n]
     for scene, start, end in zip(schedule.scenes, schedule.starts, bounds):
         lo = start + (SWITCH_GRACE if start else 0)
+        if end - lo < HOLD:
+            continue  # too short to travel measurably
         travel = np.zeros(2)
         for a, b in zip(readings[lo:end - 1], readings[lo + 1:end]):
             if a.centre is not None and b.centre is not None:
@@ -130,10 +136,10 @@ def score_stream(frames: np.ndarray, schedule: Schedule) -> dict:
         across = abs(travel[0] * dy) + abs(travel[1] * dx)
         directions.append(bool(along > 0.1 * w and along > 2 * across))
     latencies = []
-    for start in schedule.starts[1:]:
+    for start, end in zip(schedule.starts[1:], bounds[1:]):
         scene = schedule.scene_at(start)
         ok = [r.colour == scene.colour and r.background == scene.background
-              and r.shape == scene.shape for r in readings[start:]]
+              and r.shape == scene.shape for r in readings[start:end]]
         latency = next((i for i in range(len(ok) - HOLD + 1) if all(ok[i:i + HOLD])), len(ok))
         latencies.append(latency)
     return {"colour": right["colour"], "shape": right["shape"],
@@ -159,10 +165,11 @@ def summarize(scores: list[dict]) -> dict[str, float]:
 
 def run_streams(model, schedules: list[Schedule], frames: int, seed: int = 0,
                 steps: int | None = None, size: int = stream_world.SIZE,
-                guidance: float = 1.0) -> list[np.ndarray]:
+                guidance: float | None = None) -> list[np.ndarray]:
     """Frames uint8 [frames, size, size, 3] of each schedule from the served family, all
     streams advancing together (one batched chunk per step, as the worker batches them);
-    `guidance` > 1 is classifier-free guidance against the empty prompt."""
+    `guidance` > 1 is classifier-free guidance against the empty prompt (default: the
+    model's)."""
     from genserve.multimodal_gen.messages import ResolvedRequest, StepCacheConfig
 
     chunk = model.chunk_frames
@@ -173,7 +180,8 @@ def run_streams(model, schedules: list[Schedule], frames: int, seed: int = 0,
         batch = [ResolvedRequest(
             rid=f"eval-{i}-{k}", model=spec.name, prompt=s.scene_at(k * chunk).prompt(),
             negative_prompt=None, width=size, height=size, num_frames=chunk, fps=24,
-            num_inference_steps=steps or spec.default_steps, guidance_scale=guidance,
+            num_inference_steps=steps or spec.default_steps,
+            guidance_scale=spec.default_guidance if guidance is None else guidance,
             seeds=(seed + i,), step_cache=StepCacheConfig(), preview=False,
             preview_decode_every=0, init_image=None, strength=None, submitted_at=time.time(),
             stream_id=f"eval-{i}", stream_reset=k == 0) for i, s in enumerate(schedules)]
@@ -190,8 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--frames", type=int, default=306)
     p.add_argument("--switches", type=int, default=2)
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--guidance", type=float, default=1.0,
-                   help="classifier-free guidance scale (1: none)")
+    p.add_argument("--guidance", type=float, default=None,
+                   help="classifier-free guidance scale (1: none; default: the model's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", default=None, help="write the first stream as an MP4 here")
     args = p.parse_args(argv)

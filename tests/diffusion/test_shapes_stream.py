@@ -56,6 +56,13 @@ def test_scorer_on_ground_truth_and_on_broken_streams():
     late = ev.summarize([ev.score_stream(_schedule_frames(stuck, 90), schedule)])
     assert late["switch_latency_max"] == 45 and late["colour"] < 0.6
     assert late["direction"] == 0.5  # the second segment still moves right, not up
+    # Switches in consecutive chunks: the short segment's latency ends at the next switch,
+    # and one frame after the grace shows no direction, so it is not judged.
+    quick = ev.Schedule([SCENE, OTHER, SCENE], [0, 36, 45])
+    fine = ev.score_stream(_schedule_frames(quick, 90), quick)
+    assert fine["latencies"] == [0, 0] and fine["directions"] == [True, True]
+    missed = ev.score_stream(_schedule_frames(ev.Schedule([SCENE], [0]), 90), quick)
+    assert missed["latencies"] == [9, 0]  # never blue within its 9 frames, then right at once
 
 
 def test_held_out_schedules_use_held_out_scenes_and_switch_on_chunks():
