@@ -1,4 +1,5 @@
-"""Configs of the two demo models and their word-level tokenizer; where the trained weights live."""
+"""Configs of the two demo models and their word-level tokenizer; where the trained weights live
+(the streaming model's config is in stream_model.py)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def weights_path(kind: str) -> Path:
 # The served folders, named by the rows of multimodal_gen/named_models.py.
 IMAGE_WEIGHTS_PATH = weights_path("image")
 VIDEO_WEIGHTS_PATH = weights_path("video")
+STREAM_WEIGHTS_PATH = WEIGHTS_DIR / "shapes-stream"  # stream_train.py exports here by default
 
 
 def build_tokenizer():

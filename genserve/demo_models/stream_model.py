@@ -23,9 +23,11 @@ and output), and `velocity` turns the clean chunk into the flow the Helios sched
 with. (Why 32x32 and 8x8-pixel tokens: docs/benchmarks.md.) The served chunk loop is
 `pipelines/helios.HeliosFamily`'s, through `family.ShapesStreamFamily`.
 
-No trained weights ship yet: the runs so far fall short of the targets (docs/benchmarks.md), so
-the architecture is served as `tiny-shapes-stream` (seeded random weights) and
-`stream_train.py` exports a trained folder that `--diffusion-model-path` serves.
+The trained weights ship in `weights/shapes-stream` (a default model: the realtime demo's and
+`genserve generate`'s for videos longer than shapes-video's 16 frames; its model card is the
+folder's README.md). `tiny-shapes-stream` is the same architecture with seeded random weights,
+the fast test bed; `stream_train.py` trains and exports a folder that `--diffusion-model-path`
+serves.
 """
 
 from __future__ import annotations
@@ -36,10 +38,9 @@ import torch
 from diffusers import AutoencoderTiny, DiffusionPipeline, HeliosScheduler, HeliosTransformer3DModel
 from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
-from genserve.demo_models.models import MAX_PROMPT_TOKENS, TEXT_DIM, WEIGHTS_DIR, build_tokenizer
+from genserve.demo_models.models import MAX_PROMPT_TOKENS, TEXT_DIM, build_tokenizer
 from genserve.demo_models.stream_world import SIZE
 
-STREAM_WEIGHTS_PATH = WEIGHTS_DIR / "shapes-stream"  # where training exports by default
 MODEL_SIZE = SIZE // 2  # the frames the transformer draws (larger sizes are upscaled)
 UNSHUFFLE = 2  # pixels per latent pixel along each side
 LATENT_CHANNELS = 3 * UNSHUFFLE * UNSHUFFLE

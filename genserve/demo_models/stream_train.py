@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from genserve.demo_models import stream_world, world
+from genserve.demo_models.models import STREAM_WEIGHTS_PATH
 from genserve.demo_models.stream_model import (
     DEFAULT_STEPS,
     FRAMES_PER_CHUNK,
@@ -53,7 +54,6 @@ from genserve.demo_models.stream_model import (
     MIN_SIGMA,
     MODEL_SIZE,
     PREDICTIONS,
-    STREAM_WEIGHTS_PATH,
     Parameterization,
     build_stream_pipeline,
     encode_prompts,

@@ -31,17 +31,21 @@ _TINY_HELIOS = dict(default_width=64, default_height=64, default_steps=2, max_pi
                     default_guidance=1.0, default_fps=8)
 
 
-def _demo(name: str, task: str, kind: str, summary: str, spec: dict | None = None) -> NamedModel:
+def _demo(name: str, task: str, kind: str, summary: str, spec: dict | None = None,
+          module: str = "pipeline") -> NamedModel:
     # The trained demo models: weights shipped in the package, their own pipeline class.
     cls = kind.capitalize()
     return NamedModel(
         name, "diffusion", task, "folder", f"{_DEMO}.models:{kind.upper()}_WEIGHTS_PATH",
         family=f"{_DEMO}.family:Shapes{cls}Family",
-        pipeline=f"{_DEMO}.pipeline:Shapes{cls}Pipeline", spec=spec or {}, default=True,
+        pipeline=f"{_DEMO}.{module}:Shapes{cls}Pipeline", spec=spec or {}, default=True,
         summary=summary)
 
 
 _STREAM_FRAMES = 9 * 64  # one request's longest streamed video (a realtime stream is endless)
+# The streaming demo's classifier-free guidance, chosen on held-out streams (the model card
+# in its weights folder has the sweep).
+_STREAM_GUIDANCE = 1.5
 
 
 def _tiny(name: str, task: str, family: str, spec: dict, summary: str,
@@ -55,6 +59,12 @@ ROWS = (
     _demo("shapes-image", TEXT_TO_IMAGE, "image", "trained demo model: the shapes grammar"),
     _demo("shapes-video", TEXT_TO_VIDEO, "video", "trained demo model: the shapes grammar",
           spec=dict(max_num_frames=16)),
+    # After shapes-video: a plain video request goes there, a longer one (default_model_for)
+    # and a realtime session (streaming models first) come here.
+    _demo("shapes-stream", TEXT_TO_VIDEO, "stream",
+          "trained demo model: one endless shapes video that follows the prompt",
+          spec=dict(max_num_frames=_STREAM_FRAMES, default_guidance=_STREAM_GUIDANCE),
+          module="stream_model"),
     # Random weights: they exercise every code path of their family.
     _tiny("tiny-flux", TEXT_TO_IMAGE, "flux:FluxFamily",
           dict(_TINY_IMAGE, default_guidance=3.5), "random-weight FLUX.1"),
@@ -90,8 +100,8 @@ ROWS = (
           "random-weight FLUX.2 [klein] base", _EMBEDDED + "_2026"),
     _tiny("tiny-z-image", TEXT_TO_IMAGE, "z_image:ZImageFamily", dict(_TINY_IMAGE),
           "random-weight Z-Image", _EMBEDDED + "_2026"),
-    # The streaming demo's architecture (a pixel-space Helios transformer) before training:
-    # its weights are not trained to the model card's targets yet (docs/benchmarks.md).
+    # The streaming demo's architecture (a pixel-space Helios transformer) with seeded random
+    # weights: the fast test bed of its code paths.
     NamedModel("tiny-shapes-stream", "diffusion", TEXT_TO_VIDEO, "builder",
                f"{_DEMO}.stream_model:build_tiny_shapes_stream",
                family=f"{_DEMO}.family:ShapesStreamFamily",

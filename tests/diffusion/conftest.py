@@ -1,5 +1,5 @@
-"""Shared fixtures: one diffusion worker (tiny-flux, tiny-wan and the demo models) and one real
-uvicorn server on 127.0.0.1 for the whole session (starting a worker costs seconds: torch +
+"""Shared fixtures: one diffusion worker (tiny-flux, tiny-wan and the three demo models) and one
+real uvicorn server on 127.0.0.1 for the whole session (starting a worker costs seconds: torch +
 diffusers imports)."""
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def diffusion_client():
     from genserve.multimodal_gen.worker import WorkerConfig
 
     client = WorkerDiffusionClient(WorkerConfig(
-        ("tiny-flux", "tiny-wan", "shapes-image", "shapes-video"), num_threads=_threads(),
+        ("tiny-flux", "tiny-wan", "shapes-image", "shapes-video", "shapes-stream"),
+        num_threads=_threads(),
         max_batch_size=4, batch_delay_ms=150))
     yield client
     asyncio.run(client.shutdown())

@@ -1,5 +1,6 @@
-"""The trained demo models (shapes-image, shapes-video): the scorer, the committed weights drawing
-what the prompt says on prompts held out of training, and serving them over HTTP."""
+"""The trained demo models (shapes-image, shapes-video; shapes-stream's own tests are in
+test_shapes_stream.py): the scorer, the committed weights drawing what the prompt says on
+prompts held out of training, and serving them over HTTP."""
 
 from __future__ import annotations
 
@@ -117,11 +118,13 @@ def test_same_seed_same_pixels_batched_or_alone(image_pipe):
 
 
 def test_default_models_are_the_demo_models():
-    assert default_model_names() == ("shapes-image", "shapes-video")
-    # `genserve generate` picks the first default whose frame limit fits, else the first one.
+    assert default_model_names() == ("shapes-image", "shapes-video", "shapes-stream")
+    # `genserve generate` picks the first default whose frame limit fits, else the first one:
+    # a long video is one stream of the streaming model.
     assert default_model_for(TEXT_TO_VIDEO) == "shapes-video"
     assert default_model_for(TEXT_TO_VIDEO, 16) == "shapes-video"
-    assert default_model_for(TEXT_TO_VIDEO, 300) == "shapes-video"
+    assert default_model_for(TEXT_TO_VIDEO, 300) == "shapes-stream"
+    assert default_model_for(TEXT_TO_VIDEO, 10_000) == "shapes-video"  # fits none: the first
     assert default_model_for(TEXT_TO_IMAGE) == "shapes-image"
 
 
@@ -135,6 +138,10 @@ def test_models_list_the_demo_models_with_their_grammar(http):
         assert card["native_size"] == "32x32" and "bilinear" in card["upscaling"]
         assert card["square_only"] is True
     assert video["frame_rule"] == "16" and video["default_num_frames"] == 16
+    stream = models["shapes-stream"]
+    assert stream["task"] == "text-to-video" and stream["streaming"] is True
+    assert stream["prompt_grammar"].startswith(world.VIDEO_GRAMMAR)
+    assert stream["native_size"] == "32x32" and stream["default_num_frames"] == 9
 
 
 def _image(http, scene: world.Scene, seed: int, size: str = "32x32") -> np.ndarray:
@@ -190,6 +197,34 @@ def test_video_job_serves_the_demo_model(http, tmp_path):
     assert meta["size"] == (64, 64) and frames.shape[0] == world.NUM_FRAMES
     result = scorer.score_video(frames, scene)  # (64x64: the native clip upscaled)
     assert result["frames_differ"] and result["background"] and result["direction"], result
+
+
+def test_long_video_job_is_one_stream_of_the_streaming_model(http, tmp_path):
+    """A video longer than shapes-video's 16 frames, as `genserve generate` sends it: one
+    stream of shapes-stream, whole chunks, one continuous scene in the MP4."""
+    import imageio_ffmpeg
+
+    from genserve.demo_models import stream_evaluate
+
+    scene = VIDEO_SCENES[2]
+    r = http.post("/v1/videos", json={"model": "shapes-stream", "prompt": scene.prompt(),
+                                      "size": "64x64", "seed": 4, "num_frames": 45})
+    assert r.status_code == 200, r.text
+    video_id = r.json()["id"]
+    deadline = time.time() + 60
+    while http.get(f"/v1/videos/{video_id}").json()["status"] != "completed":
+        assert time.time() < deadline
+        time.sleep(0.1)
+    path = tmp_path / "long.mp4"
+    path.write_bytes(http.get(f"/v1/videos/{video_id}/content").content)
+    reader = imageio_ffmpeg.read_frames(str(path))
+    next(reader)
+    frames = np.stack([np.frombuffer(f, np.uint8).reshape(64, 64, 3) for f in reader])
+    assert frames.shape[0] == 45
+    schedule = stream_evaluate.Schedule([scene], [0])
+    # (A lossy MP4: the continuity bound and background, not frame-exact attributes.)
+    s = stream_evaluate.summarize([stream_evaluate.score_stream(frames, schedule)])
+    assert s["resets"] == 0 and s["background"] >= 0.9 and s["direction"] == 1.0, s
 
 
 def test_video_model_takes_the_step_cache(http):

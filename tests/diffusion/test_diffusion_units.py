@@ -393,14 +393,14 @@ def test_named_model_table_rows_resolve_and_agree_with_their_families():
     from genserve.named_models import locate, source_path
 
     assert DIFFUSION_MODELS.names() == [
-        "shapes-image", "shapes-video", "tiny-flux", "tiny-wan", "tiny-sd3", "tiny-sd",
-        "tiny-ltx", "tiny-sdxl", "tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v",
+        "shapes-image", "shapes-video", "shapes-stream", "tiny-flux", "tiny-wan", "tiny-sd3",
+        "tiny-sd", "tiny-ltx", "tiny-sdxl", "tiny-flux-kontext", "tiny-flux-fill", "tiny-wan-i2v",
         "tiny-qwen-image", "tiny-qwen-image-edit", "tiny-helios", "tiny-helios-pyramid",
         "tiny-helios-distilled", "tiny-flux2", "tiny-flux2-klein", "tiny-z-image",
         "tiny-shapes-stream", "tiny-wan22-ti2v", "tiny-wan22-a14b", "tiny-hunyuan-video15",
         "tiny-ltx2"]
-    assert default_model_names() == tuple(MODEL_NAMES.values()) == ("shapes-image",
-                                                                     "shapes-video")
+    assert default_model_names() == (*MODEL_NAMES.values(), "shapes-stream") == (
+        "shapes-image", "shapes-video", "shapes-stream")
     spec_fields = {f.name for f in dataclasses.fields(ModelSpec)}
     for row in DIFFUSION_MODELS.rows:
         family = locate(row.family)

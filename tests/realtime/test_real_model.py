@@ -130,9 +130,10 @@ def test_web_ui_plays_the_demo_video_model(real_server):
             page.wait_for_function(
                 "document.querySelector('#model option[value=\"shapes-video\"]') !== null",
                 timeout=30_000)
-            # The page chose the demo video model, filled in its defaults and shows the prompts
-            # it understands; the prompt box starts with one of them.
-            assert page.input_value("#model") == "shapes-video"
+            # The page starts on the streaming model (test below); picking the demo video
+            # model fills in its defaults and shows the prompts it understands, and the prompt
+            # box holds one of them.
+            page.select_option("#model", "shapes-video")
             assert page.input_value("#frames") == "16" and page.input_value("#fps") == "8"
             assert "moving {direction}" in page.text_content("#grammar")
             assert world.parse_prompt(page.input_value("#prompt")) is not None
@@ -169,3 +170,99 @@ def test_web_ui_plays_the_demo_video_model(real_server):
     assert len({s["check"] for s in samples}) >= 8, samples  # the shape moves
     assert readouts["chunk-time"].endswith("ms") and readouts["preview-latency"].endswith("ms")
     assert readouts["frame-bytes"] != "–"
+
+
+# Keeps every final frame the page draws: its index and the canvas's RGB pixels (base64).
+_KEEPER = """
+() => {
+  const rt = window.genserveRealtime;
+  const canvas = document.getElementById("canvas");
+  const ctx = canvas.getContext("2d", { willReadFrequently: true });
+  window.__frames = [];
+  let seen = 0;
+  const tick = () => {
+    if (rt.stats.finalsDrawn > seen) {
+      seen = rt.stats.finalsDrawn;
+      const { data } = ctx.getImageData(0, 0, canvas.width, canvas.height);
+      const rgb = new Uint8Array((data.length / 4) * 3);
+      for (let i = 0, j = 0; i < data.length; i += 4, j += 3) {
+        rgb[j] = data[i]; rgb[j + 1] = data[i + 1]; rgb[j + 2] = data[i + 2];
+      }
+      let text = "";
+      for (let i = 0; i < rgb.length; i += 8192) {
+        text += String.fromCharCode.apply(null, rgb.subarray(i, i + 8192));
+      }
+      window.__frames.push({ index: seen, width: canvas.width, height: canvas.height,
+                             rgb: btoa(text) });
+    }
+    requestAnimationFrame(tick);
+  };
+  requestAnimationFrame(tick);
+}
+"""
+
+
+def test_web_ui_streams_the_default_model_through_a_prompt_switch(real_server):
+    """`genserve serve`'s web UI with no choices made: it picks the streaming demo model and
+    plays one continuous video; a new prompt mid-stream changes the colour without a cut (the
+    shape's centre, read off the canvas, never jumps)."""
+    import base64
+
+    from genserve.demo_models import stream_evaluate, stream_world
+
+    base, client = real_server
+    first = "a red circle moving right on a black background"
+    second = "a blue circle moving right on a black background"
+    with sync_api.sync_playwright() as pw:
+        browser = launch_chromium(pw)
+        try:
+            page = browser.new_page(viewport={"width": 1100, "height": 800})
+            console_errors: list[str] = []
+            page.on("pageerror", lambda e: console_errors.append(str(e)))
+            page.goto(base + "/")
+            page.wait_for_selector("#connection[data-status=open]", timeout=30_000)
+            page.wait_for_function(
+                "document.querySelector('#model option[value=\"shapes-stream\"]') !== null",
+                timeout=30_000)
+            assert page.input_value("#model") == "shapes-stream"
+            assert page.is_checked("#continuous")
+            page.fill("#width", "64")
+            page.fill("#height", "64")
+            page.fill("#seed", "5")
+            page.fill("#prompt", first)
+            page.evaluate(_KEEPER)
+            page.click("#start")
+            stats = "window.genserveRealtime.stats"
+            page.wait_for_function(f"{stats}.finalsDrawn >= 27", timeout=60_000)
+            page.fill("#prompt", second)
+            page.click("#send-prompt")
+            page.wait_for_function(f"{stats}.lastChunkStats.prompt === '{second}'",
+                                   timeout=60_000)
+            # Chunks arrive ahead of playback: play five more, past those queued.
+            shown = page.evaluate(f"{stats}.finalsDrawn")
+            page.wait_for_function(f"{stats}.finalsDrawn >= {shown + 45}", timeout=60_000)
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "realtime_stream_webui.png"), full_page=True)
+            page.click("#stop")
+            page.wait_for_function("document.body.dataset.state === 'stopped'",
+                                   timeout=30_000)
+            kept = page.evaluate("window.__frames")
+            last = page.evaluate(f"{stats}.lastChunkStats")
+        finally:
+            browser.close()
+    assert not console_errors, console_errors
+    assert last["scene"] == 0 and last["prompt"] == second  # one scene throughout
+    frames = [(k["index"], np.frombuffer(base64.b64decode(k["rgb"]), np.uint8)
+               .reshape(k["height"], k["width"], 3)) for k in kept]
+    readings = [(i, stream_evaluate.read_frame(f)) for i, f in frames]
+    # Continuity between frames drawn one after the other, the prompt switch included.
+    height, width = frames[0][1].shape[:2]
+    steps = [np.hypot(stream_world.torus_delta(a.centre[0], b.centre[0], width),
+                      stream_world.torus_delta(a.centre[1], b.centre[1], height))
+             for (i, a), (j, b) in zip(readings, readings[1:])
+             if j == i + 1 and a.centre is not None and b.centre is not None]
+    assert len(steps) >= 45 and max(steps) <= width * stream_evaluate.MAX_STEP, steps
+    assert all(r.centre is not None for _, r in readings)
+    colours = [r.colour for _, r in readings]
+    assert colours[:9].count("red") >= 8 and colours[-9:].count("blue") >= 8, colours
+    assert all(r.background == "black" for _, r in readings)
