@@ -30,7 +30,7 @@ def _compile_restart(out: str) -> None:
 
 def _decode_step(out: str) -> None:
     s = last_json(out)
-    assert (s["quantization"], s["compile"], s["decode_steps"]) == ("none", False, 7)
+    assert (s["quantization"], s["compile"], s["decode_steps"]) == ("none", False, 6)
     assert s["step_ms_median"] >= s["forward_ms_median"] > 0 and s["tok_s"] > 0
     assert len(s["outputs_sha1"]) == 12
 
