@@ -177,23 +177,28 @@ def test_demo_models_reject_what_they_cannot_draw(http):
     assert r.status_code == 400 and "exactly 16 frames" in error_of(r)["message"]
 
 
-def test_video_job_serves_the_demo_model(http, tmp_path):
+def _video_job(http, body: dict, path) -> tuple[dict, np.ndarray]:
+    """Run a /v1/videos job of 64x64 frames to completion; its MP4's metadata and frames."""
     import imageio_ffmpeg
 
-    scene = VIDEO_SCENES[0]
-    r = http.post("/v1/videos", json={"model": "shapes-video", "prompt": scene.prompt(),
-                                      "size": "64x64", "seed": 200, "num_inference_steps": 8})
+    r = http.post("/v1/videos", json={"size": "64x64", **body})
     assert r.status_code == 200, r.text
     video_id = r.json()["id"]
     deadline = time.time() + 60
     while http.get(f"/v1/videos/{video_id}").json()["status"] != "completed":
         assert time.time() < deadline
         time.sleep(0.1)
-    path = tmp_path / "clip.mp4"
     path.write_bytes(http.get(f"/v1/videos/{video_id}/content").content)
     reader = imageio_ffmpeg.read_frames(str(path))
     meta = next(reader)
-    frames = np.stack([np.frombuffer(f, np.uint8).reshape(64, 64, 3) for f in reader])
+    return meta, np.stack([np.frombuffer(f, np.uint8).reshape(64, 64, 3) for f in reader])
+
+
+def test_video_job_serves_the_demo_model(http, tmp_path):
+    scene = VIDEO_SCENES[0]
+    meta, frames = _video_job(http, {"model": "shapes-video", "prompt": scene.prompt(),
+                                     "seed": 200, "num_inference_steps": 8},
+                              tmp_path / "clip.mp4")
     assert meta["size"] == (64, 64) and frames.shape[0] == world.NUM_FRAMES
     result = scorer.score_video(frames, scene)  # (64x64: the native clip upscaled)
     assert result["frames_differ"] and result["background"] and result["direction"], result
@@ -202,24 +207,11 @@ def test_video_job_serves_the_demo_model(http, tmp_path):
 def test_long_video_job_is_one_stream_of_the_streaming_model(http, tmp_path):
     """A video longer than shapes-video's 16 frames, as `genserve generate` sends it: one
     stream of shapes-stream, whole chunks, one continuous scene in the MP4."""
-    import imageio_ffmpeg
-
     from genserve.demo_models import stream_evaluate
 
     scene = VIDEO_SCENES[2]
-    r = http.post("/v1/videos", json={"model": "shapes-stream", "prompt": scene.prompt(),
-                                      "size": "64x64", "seed": 4, "num_frames": 45})
-    assert r.status_code == 200, r.text
-    video_id = r.json()["id"]
-    deadline = time.time() + 60
-    while http.get(f"/v1/videos/{video_id}").json()["status"] != "completed":
-        assert time.time() < deadline
-        time.sleep(0.1)
-    path = tmp_path / "long.mp4"
-    path.write_bytes(http.get(f"/v1/videos/{video_id}/content").content)
-    reader = imageio_ffmpeg.read_frames(str(path))
-    next(reader)
-    frames = np.stack([np.frombuffer(f, np.uint8).reshape(64, 64, 3) for f in reader])
+    _, frames = _video_job(http, {"model": "shapes-stream", "prompt": scene.prompt(),
+                                  "seed": 4, "num_frames": 45}, tmp_path / "long.mp4")
     assert frames.shape[0] == 45
     schedule = stream_evaluate.Schedule([scene], [0])
     # (A lossy MP4: the continuity bound and background, not frame-exact attributes.)

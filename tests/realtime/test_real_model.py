@@ -19,7 +19,7 @@ from genserve.demo_models.scorer import score_video
 from genserve.entrypoints.app import create_app
 from genserve.entrypoints.config import GatewayConfig
 from genserve.entrypoints.realtime.frames import FrameFormat
-from tests.realtime.browser import launch_chromium
+from tests.realtime.browser import launch_chromium, open_ui
 from tests.realtime.client import Received, receive_until, run_session, ws_url
 from tests.realtime.server import serve
 
@@ -216,14 +216,7 @@ def test_web_ui_streams_the_default_model_through_a_prompt_switch(real_server):
     with sync_api.sync_playwright() as pw:
         browser = launch_chromium(pw)
         try:
-            page = browser.new_page(viewport={"width": 1100, "height": 800})
-            console_errors: list[str] = []
-            page.on("pageerror", lambda e: console_errors.append(str(e)))
-            page.goto(base + "/")
-            page.wait_for_selector("#connection[data-status=open]", timeout=30_000)
-            page.wait_for_function(
-                "document.querySelector('#model option[value=\"shapes-stream\"]') !== null",
-                timeout=30_000)
+            page, console_errors = open_ui(browser, base, "shapes-stream")
             assert page.input_value("#model") == "shapes-stream"
             assert page.is_checked("#continuous")
             page.fill("#width", "64")

@@ -256,20 +256,13 @@ def test_rest_long_video_is_whole_chunks(server):
 def test_web_ui_streams_one_video_changes_prompt_twice_and_records_it(server):
     from playwright import sync_api
 
-    from tests.realtime.browser import launch_chromium
+    from tests.realtime.browser import launch_chromium, open_ui
 
     base, client = server
     with sync_api.sync_playwright() as pw:
         browser = launch_chromium(pw)
         try:
-            page = browser.new_page(viewport={"width": 1100, "height": 800})
-            console_errors: list[str] = []
-            page.on("pageerror", lambda e: console_errors.append(str(e)))
-            page.goto(base + "/")
-            page.wait_for_selector("#connection[data-status=open]", timeout=30_000)
-            page.wait_for_function(
-                "document.querySelector('#model option[value=\"tiny-helios\"]') !== null",
-                timeout=30_000)
+            page, console_errors = open_ui(browser, base, "tiny-helios")
             page.select_option("#model", "tiny-helios")
             assert page.input_value("#frames") == str(CHUNK)  # one chunk, from the model card
             page.fill("#width", "64")
