@@ -54,6 +54,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=300)
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops")
     p.add_argument("--top", type=int, default=30, help="ops listed by --profile")
+    p.add_argument("--smoke", action="store_true", help="float32, no quantization or compile")
+
+
+def parse_engine_args(p: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse; `--smoke` sets the engine to float32 without quantization or compile (each
+    script then shrinks its own sizes)."""
+    args = p.parse_args()
+    if args.smoke:
+        args.quantization, args.compile, args.dtype = "none", False, "float32"
+    return args
 
 
 def main() -> None:
@@ -66,10 +76,8 @@ def main() -> None:
         action="store_true",
         help="with --profile: name each Inductor kernel of the compiled step (recompiles it)",
     )
-    p.add_argument("--smoke", action="store_true", help="float32, no quantization or compile")
-    args = p.parse_args()
+    args = parse_engine_args(p)
     if args.smoke:
-        args.quantization, args.compile, args.dtype = "none", False, "float32"
         args.steps, args.repeats, args.prompt_len = 8, 1, 40
 
     from genserve import Engine

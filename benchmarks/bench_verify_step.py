@@ -25,7 +25,10 @@ import statistics
 import time
 
 import torch
-from bench_decode_step import add_engine_args  # the script's folder is on sys.path
+from bench_decode_step import (  # the script's folder is on sys.path
+    add_engine_args,
+    parse_engine_args,
+)
 
 
 def main() -> None:
@@ -39,10 +42,8 @@ def main() -> None:
         help="also time the verify laid out as decode rows, as GENSERVE_SPEC_COMPILED_VERIFY=1 "
         "runs it (under compile: the compiled decode step; its first call compiles)",
     )
-    p.add_argument("--smoke", action="store_true", help="float32, no quantization or compile")
-    args = p.parse_args()
+    args = parse_engine_args(p)
     if args.smoke:
-        args.quantization, args.compile, args.dtype = "none", False, "float32"
         args.iters, args.prompt_len = 3, 40
 
     from genserve import Engine
