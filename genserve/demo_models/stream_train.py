@@ -32,7 +32,12 @@ autoencoder's latents instead of pixels: frames are encoded (frozen, bf16) as th
 built, and the exported folder carries the autoencoder as its `vae`.
 
 Resumable (`training.TrainingRun`): a checkpoint every `--checkpoint-minutes` and at the end;
-the EMA weights are exported to `--out`.
+the EMA weights are exported to `--out`. Without a checkpoint, `--init DIR` starts from an
+exported folder's weights (the shipped model, say) with a fresh optimizer, warm-up and cosine:
+
+    W=genserve/demo_models/weights/shapes-stream
+    python -m genserve.demo_models.stream_train --init $W --autoencoder $W/vae \
+        --prediction edm --shape-weight 8 --cosine --lr 4e-4 --minutes 100 --out DIR
 """
 
 from __future__ import annotations
@@ -258,6 +263,8 @@ def train(args: argparse.Namespace) -> None:
     model = torch.nn.ModuleDict(
         {"transformer": pipe.transformer, "text_encoder": pipe.text_encoder}
     )
+    if args.init:
+        _load_exported(model, Path(args.init))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     run = TrainingRun(args, work, model, opt)
     if run.resume():
@@ -334,6 +341,18 @@ def train(args: argparse.Namespace) -> None:
         run.finish_step(loss=f"{loss.item():.4f}")
     run.end()
     export(pipe, run.ema, Path(args.out))
+
+
+def _load_exported(model: torch.nn.ModuleDict, folder: Path) -> None:
+    """Start from an exported folder's transformer and text encoder (a fine-tune once the
+    run's checkpoint is gone: the optimizer and the step count start afresh). A resumed
+    checkpoint, if there is one, overrides this."""
+    for name in ("transformer", "text_encoder"):
+        if not (folder / name / "config.json").exists():
+            raise SystemExit(f"--init {folder}: no {name}/ (not an exported shapes-stream folder)")
+        trained = type(model[name]).from_pretrained(folder / name)
+        model[name].load_state_dict(trained.state_dict())
+    print(f"initialised from {folder}")
 
 
 def _load_autoencoder(path: str | None):
@@ -415,6 +434,11 @@ def main(argv: list[str] | None = None) -> None:
         default=0.0,
         help="extra loss weight per unit of latent distance from the chunk drawn with the "
         "other shapes: what tells the shapes apart weighs more",
+    )
+    p.add_argument(
+        "--init",
+        default=None,
+        help="an exported shapes-stream folder to start from (with --autoencoder its vae)",
     )
     p.add_argument(
         "--export-only",

@@ -180,6 +180,29 @@ def test_training_resumes_and_exports_a_servable_folder(tmp_path):
     assert video.shape == (9, 64, 64, 3)
 
 
+def test_a_run_starts_from_an_exported_folder(tmp_path):
+    """`--init` loads an exported folder's weights into a fresh run (no checkpoint): with no
+    steps taken, the run exports the very weights it started from. A folder that is not an
+    export is refused by name."""
+    import pytest
+    from safetensors.torch import load_file
+
+    from genserve.demo_models import stream_train
+
+    first, again = tmp_path / "first", tmp_path / "again"
+    stream_train.main(["--work-dir", str(tmp_path / "w1"), "--out", str(first),
+                       "--batch-size", "2", "--steps", "1"])
+    stream_train.main(["--work-dir", str(tmp_path / "w2"), "--out", str(again),
+                       "--steps", "0", "--init", str(first)])
+    for part, file in (("transformer", "diffusion_pytorch_model.safetensors"),
+                       ("text_encoder", "model.safetensors")):
+        a, b = load_file(str(first / part / file)), load_file(str(again / part / file))
+        assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    with pytest.raises(SystemExit, match="not an exported"):
+        stream_train.main(["--work-dir", str(tmp_path / "w3"), "--out", str(tmp_path / "x"),
+                           "--steps", "0", "--init", str(tmp_path / "w1")])
+
+
 def test_latent_space_training_serves_through_the_autoencoder(tmp_path):
     """A run in the latent space of an autoencoder (`stream_ae`, here untrained) trains on
     its [8, 8, 8] latents and exports a folder whose family decodes chunks through it."""
