@@ -82,6 +82,10 @@ class ShapesStreamFamily(HeliosFamily):
         native_size=f"{stream_model.MODEL_SIZE}x{stream_model.MODEL_SIZE}",
         prompt_grammar=world.VIDEO_GRAMMAR + "; " + world.grammar_words(video=True))
 
+    def checkpoint_defaults(self) -> dict:
+        # The guidance its training run chose, in model_index.json (none in older folders).
+        return {"default_guidance": float(self.pipe.config.get("guidance_scale", 1.0))}
+
     @property
     def chunk_frames(self) -> int:
         return stream_model.FRAMES_PER_CHUNK  # one latent frame is one frame (no time axis)

@@ -151,9 +151,12 @@ class ShapesStreamPipeline(DiffusionPipeline):
         vae: AutoencoderTiny | None = None,
         prediction: str = "sample",
         sigma_data: float = 1.0,
+        guidance_scale: float = 1.0,
     ):
         super().__init__()
         Parameterization(prediction, sigma_data)  # checks both
+        if guidance_scale < 1.0:
+            raise ValueError(f"guidance_scale must be >= 1 (1: none), got {guidance_scale}")
         self.register_modules(
             tokenizer=tokenizer,
             text_encoder=text_encoder,
@@ -162,8 +165,12 @@ class ShapesStreamPipeline(DiffusionPipeline):
             vae=vae,
         )
         # In model_index.json, so serving reads what training used; a folder without them
-        # (exported before the option) is x-prediction.
-        self.register_to_config(prediction=prediction, sigma_data=sigma_data)
+        # (exported before the option) is x-prediction. `guidance_scale` is the classifier-
+        # free guidance the folder serves with unless a request names one (chosen on held-out
+        # streams; 1: none).
+        self.register_to_config(
+            prediction=prediction, sigma_data=sigma_data, guidance_scale=guidance_scale
+        )
 
     @property
     def parameterization(self) -> Parameterization:
@@ -344,10 +351,13 @@ def history_inputs(history: torch.Tensor, prefix: torch.Tensor) -> dict[str, tor
 
 
 def build_stream_pipeline(
-    vae: AutoencoderTiny | None = None, param: Parameterization = Parameterization()
+    vae: AutoencoderTiny | None = None,
+    param: Parameterization = Parameterization(),
+    guidance_scale: float = 1.0,
 ) -> ShapesStreamPipeline:
     """A fresh (untrained) shapes-stream pipeline: in pixel space, or in the latent space of
-    a trained autoencoder `vae` (kept frozen); its transformer's output means `param`."""
+    a trained autoencoder `vae` (kept frozen); its transformer's output means `param`, and
+    it serves with `guidance_scale` by default."""
     tokenizer = build_tokenizer()
     text_encoder = T5EncoderModel(
         T5Config(
@@ -378,6 +388,7 @@ def build_stream_pipeline(
         vae=vae,
         prediction=param.kind,
         sigma_data=param.sigma_data,
+        guidance_scale=guidance_scale,
     )
 
 

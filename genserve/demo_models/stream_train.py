@@ -37,7 +37,8 @@ exported folder's weights (the shipped model, say) with a fresh optimizer, warm-
 
     W=genserve/demo_models/weights/shapes-stream
     python -m genserve.demo_models.stream_train --init $W --autoencoder $W/vae \
-        --prediction edm --shape-weight 8 --cosine --lr 4e-4 --minutes 100 --out DIR
+        --prediction edm --shape-weight 8 --cosine --lr 4e-4 --minutes 100 --guidance 1.5 \
+        --out DIR
 """
 
 from __future__ import annotations
@@ -270,7 +271,7 @@ def train(args: argparse.Namespace) -> None:
     if run.resume():
         print(f"resumed at step {run.step}")
     if args.export_only:
-        export(pipe, run.ema, Path(args.out))
+        export(pipe, run.ema, Path(args.out), args.guidance)
         return
     scenes = world.training_scenes(video=True)
     nrng = np.random.default_rng(args.seed + run.step)
@@ -340,7 +341,7 @@ def train(args: argparse.Namespace) -> None:
         opt.step()
         run.finish_step(loss=f"{loss.item():.4f}")
     run.end()
-    export(pipe, run.ema, Path(args.out))
+    export(pipe, run.ema, Path(args.out), args.guidance)
 
 
 def _load_exported(model: torch.nn.ModuleDict, folder: Path) -> None:
@@ -366,10 +367,10 @@ def _load_autoencoder(path: str | None):
     return ae
 
 
-def export(trained, ema: torch.nn.ModuleDict, out: Path) -> None:
+def export(trained, ema: torch.nn.ModuleDict, out: Path, guidance: float = 1.0) -> None:
     """Save the EMA weights (and the autoencoder and parameterization of `trained`) as the
-    served diffusers folder."""
-    pipe = build_stream_pipeline(trained.vae, trained.parameterization)
+    served diffusers folder, which serves with `guidance` by default."""
+    pipe = build_stream_pipeline(trained.vae, trained.parameterization, guidance)
     pipe.transformer.load_state_dict(ema["transformer"].state_dict())
     pipe.text_encoder.load_state_dict(ema["text_encoder"].state_dict())
     pipe.save_pretrained(out, safe_serialization=True)
@@ -439,6 +440,13 @@ def main(argv: list[str] | None = None) -> None:
         "--init",
         default=None,
         help="an exported shapes-stream folder to start from (with --autoencoder its vae)",
+    )
+    p.add_argument(
+        "--guidance",
+        type=float,
+        default=1.0,
+        help="the classifier-free guidance the exported folder serves with unless a request "
+        "names one (1: none; choose it with stream_evaluate --guidance)",
     )
     p.add_argument(
         "--export-only",

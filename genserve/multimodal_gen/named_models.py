@@ -43,9 +43,6 @@ def _demo(name: str, task: str, kind: str, summary: str, spec: dict | None = Non
 
 
 _STREAM_FRAMES = 9 * 64  # one request's longest streamed video (a realtime stream is endless)
-# The streaming demo's classifier-free guidance, chosen on held-out streams (the model card
-# in its weights folder has the sweep).
-_STREAM_GUIDANCE = 1.5
 
 
 def _tiny(name: str, task: str, family: str, spec: dict, summary: str,
@@ -60,11 +57,11 @@ ROWS = (
     _demo("shapes-video", TEXT_TO_VIDEO, "video", "trained demo model: the shapes grammar",
           spec=dict(max_num_frames=16)),
     # After shapes-video: a plain video request goes there, a longer one (default_model_for)
-    # and a realtime session (streaming models first) come here.
+    # and a realtime session (streaming models first) come here. Its guidance is in its
+    # folder's model_index.json (chosen on held-out streams; the model card has the sweep).
     _demo("shapes-stream", TEXT_TO_VIDEO, "stream",
           "trained demo model: one endless shapes video that follows the prompt",
-          spec=dict(max_num_frames=_STREAM_FRAMES, default_guidance=_STREAM_GUIDANCE),
-          module="stream_model"),
+          spec=dict(max_num_frames=_STREAM_FRAMES), module="stream_model"),
     # Random weights: they exercise every code path of their family.
     _tiny("tiny-flux", TEXT_TO_IMAGE, "flux:FluxFamily",
           dict(_TINY_IMAGE, default_guidance=3.5), "random-weight FLUX.1"),

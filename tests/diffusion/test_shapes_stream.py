@@ -182,22 +182,25 @@ def test_training_resumes_and_exports_a_servable_folder(tmp_path):
 
 def test_a_run_starts_from_an_exported_folder(tmp_path):
     """`--init` loads an exported folder's weights into a fresh run (no checkpoint): with no
-    steps taken, the run exports the very weights it started from. A folder that is not an
-    export is refused by name."""
+    steps taken, the run exports the very weights it started from, and the guidance it names
+    is what the folder serves with. A folder that is not an export is refused by name."""
     import pytest
     from safetensors.torch import load_file
 
     from genserve.demo_models import stream_train
+    from genserve.multimodal_gen.pipelines import load_model
 
     first, again = tmp_path / "first", tmp_path / "again"
     stream_train.main(["--work-dir", str(tmp_path / "w1"), "--out", str(first),
                        "--batch-size", "2", "--steps", "1"])
     stream_train.main(["--work-dir", str(tmp_path / "w2"), "--out", str(again),
-                       "--steps", "0", "--init", str(first)])
+                       "--steps", "0", "--init", str(first), "--guidance", "1.5"])
     for part, file in (("transformer", "diffusion_pytorch_model.safetensors"),
                        ("text_encoder", "model.safetensors")):
         a, b = load_file(str(first / part / file)), load_file(str(again / part / file))
         assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert load_model(str(first), name="s-first").spec.default_guidance == 1.0
+    assert load_model(str(again), name="s-again").spec.default_guidance == 1.5
     with pytest.raises(SystemExit, match="not an exported"):
         stream_train.main(["--work-dir", str(tmp_path / "w3"), "--out", str(tmp_path / "x"),
                            "--steps", "0", "--init", str(tmp_path / "w1")])
