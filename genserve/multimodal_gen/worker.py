@@ -277,10 +277,14 @@ class _Worker:
                 preview = None
                 every = req.preview_decode_every
                 if req.preview and (every == 0 or step % every == 0 or step == total):
-                    # Row 0 of this request: its first output's latents.
+                    # Row 0 of this request: its first output's latents (and any other
+                    # per-row tensor the family hands its previews).
                     row = _first_row(batch, req)
-                    preview = model.preview({"latents": tensors["latents"][row : row + 1]},
-                                            req, full_decode=every > 0)
+                    rows = tensors["latents"].shape[0]
+                    preview = model.preview(
+                        {k: v[row : row + 1] for k, v in tensors.items()
+                         if getattr(v, "shape", ())[:1] == (rows,)},
+                        req, full_decode=every > 0)
                 self.outbox.put(StepEvent(req.rid, step, total, preview))
             return StepDecision.CONTINUE
 

@@ -115,9 +115,17 @@ class HeliosFamily(DiffusionFamily):
         # The same operations as diffusers (divide by 1/std), so the pixels match.
         return vae.decode(latents.to(vae.dtype) / inv_std + mean, return_dict=False)[0]
 
-    def decode_chunk(self, latents: torch.Tensor, head: ResolvedRequest) -> torch.Tensor:
-        """Pixels [B, 3, F, H, W] in [-1, 1] of a chunk's latents for `head`'s size."""
+    def decode_chunk(self, latents: torch.Tensor, head: ResolvedRequest,
+                     streams: list[HeliosStream] | None = None) -> torch.Tensor:
+        """Pixels [B, 3, F, H, W] in [-1, 1] of a chunk's latents for `head`'s size; `streams`
+        are the rows' streams (a family that draws each stream in a frame of its own places
+        the pixels by them)."""
         return self.decode(latents)
+
+    def row_tensors(self, streams: list[HeliosStream]) -> dict[str, torch.Tensor]:
+        """Per-row tensors, besides the latents, that a step's preview decodes with (the
+        worker hands `preview` each row's slice)."""
+        return {}
 
     def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor,
                  history: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -177,7 +185,7 @@ class HeliosFamily(DiffusionFamily):
                 # One VAE call for every row: its per-frame causal loop costs about the same
                 # for one row as for several (pixels within one level of decoding alone).
                 with torch.inference_mode():
-                    images = self.decode_chunk(latents, head)
+                    images = self.decode_chunk(latents, head, streams)
                 for i in range(len(rows)):
                     chunks[i].append(self._to_uint8(images[i : i + 1]))
             decode_ms += (time.perf_counter() - t) * 1e3
@@ -292,7 +300,8 @@ class HeliosFamily(DiffusionFamily):
                         uncond = self.velocity(x, timestep, negative_embeds, history)
                     noise = uncond + head.guidance_scale * (noise - uncond)
                 latents = pipe.scheduler.step(noise, t, latents, return_dict=False)[0]
-            decision = on_step(steps_before + i + 1, self._total_steps, {"latents": latents})
+            decision = on_step(steps_before + i + 1, self._total_steps,
+                               {"latents": latents, **self.row_tensors(streams)})
             if decision is not StepDecision.CONTINUE:
                 return None, decision
         self._advance(streams, latents)
