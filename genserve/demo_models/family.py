@@ -15,9 +15,15 @@ import torch
 
 from genserve.demo_models import stream_model, world
 from genserve.demo_models.models import DEFAULT_GUIDANCE, DEFAULT_STEPS
-from genserve.multimodal_gen.messages import TEXT_TO_IMAGE, TEXT_TO_VIDEO, ResolvedRequest
+from genserve.demo_models.stream_follow import FollowStream, enter_frames, keep_chunks, roll_rows
+from genserve.multimodal_gen.messages import (
+    TEXT_TO_IMAGE,
+    TEXT_TO_VIDEO,
+    ResolvedRequest,
+    StepDecision,
+)
 from genserve.multimodal_gen.pipelines.base import DiffusionFamily
-from genserve.multimodal_gen.pipelines.helios import HeliosFamily, HeliosStream
+from genserve.multimodal_gen.pipelines.helios import HeliosFamily
 from genserve.multimodal_gen.pipelines.sd3 import SD3Family
 
 _COMMON = dict(
@@ -65,11 +71,16 @@ class ShapesVideoFamily(_ShapesFamily):
         prompt_grammar=world.VIDEO_GRAMMAR + "; " + world.grammar_words(video=True))
 
 
+FRAME_OFFSET = "frame_offset"  # previews' per-row tensor: each stream's frame offset
+
+
 class ShapesStreamFamily(HeliosFamily):
     """`shapes-stream`: Helios's chunk loop (history, prefix, streams; `pipelines/helios.py`)
     over a pixel-space or autoencoder-latent model (`stream_model.py`): a chunk decodes by
     the pipeline's `unpack` (larger sizes are upscaled), and the transformer's clean-chunk
-    prediction becomes the velocity the Helios scheduler steps with."""
+    prediction becomes the velocity the Helios scheduler steps with. Each stream is drawn in
+    a frame that follows its shape across the torus (`stream_follow`): the chunk loop moves
+    it into that frame before each chunk and rolls the chunk's pixels back to the world."""
 
     family = "shapes-stream"
     pipeline_classes = ("ShapesStreamPipeline",)
@@ -90,14 +101,34 @@ class ShapesStreamFamily(HeliosFamily):
     def chunk_frames(self) -> int:
         return stream_model.FRAMES_PER_CHUNK  # one latent frame is one frame (no time axis)
 
-    def new_stream(self, seed: int, width: int, height: int) -> HeliosStream:
+    def new_stream(self, seed: int, width: int, height: int) -> FollowStream:
         """A stream at the start of a video; it is drawn at the native size whatever the
         requested one (decode_chunk upscales)."""
         channels, side = self.pipe.latent_shape
-        history = torch.zeros(1, channels, sum(self.history_sizes), side, side,
-                              device=self.device, dtype=torch.float32)
+        frames, size = sum(self.history_sizes), self.pipe.native_size
+        history = torch.zeros(1, channels, frames, side, side, device=self.device,
+                              dtype=torch.float32)
+        pixels = torch.zeros(1, 3, frames, size, size, device=self.device, dtype=torch.float32)
         gen_device = "cpu" if self.device.type == "mps" else self.device
-        return HeliosStream(torch.Generator(device=gen_device).manual_seed(seed), history)
+        return FollowStream(torch.Generator(device=gen_device).manual_seed(seed), history,
+                            pixels=pixels)
+
+    def _run_chunk(self, streams: list[FollowStream], rows: list[tuple[ResolvedRequest, int]],
+                   head: ResolvedRequest, on_step: Any, steps_before: int
+                   ) -> tuple[torch.Tensor | None, StepDecision]:
+        """Helios's chunk, drawn in each stream's follow frame. Entering the frame only
+        derives the latents from the stream's pixels, so a chunk that stops leaves nothing
+        a re-run would draw differently."""
+        with torch.inference_mode():
+            enter_frames(self.pipe, streams)
+        return super()._run_chunk(streams, rows, head, on_step, steps_before)
+
+    def _advance(self, streams: list[FollowStream], latents: torch.Tensor) -> None:
+        super()._advance(streams, latents)
+        keep_chunks(self.pipe, streams, latents)
+
+    def row_tensors(self, streams: list[FollowStream]) -> dict[str, torch.Tensor]:
+        return {FRAME_OFFSET: torch.cat([s.offset for s in streams])}
 
     def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor,
                  history: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -106,8 +137,20 @@ class ShapesStreamFamily(HeliosFamily):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return self.pipe.unpack(latents.float()).clamp(-1, 1)
 
-    def decode_chunk(self, latents: torch.Tensor, head: ResolvedRequest) -> torch.Tensor:
-        pixels = self.decode(latents)
+    def decode_chunk(self, latents: torch.Tensor, head: ResolvedRequest,
+                     streams: list[FollowStream] | None = None,
+                     offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """Pixels of the rows' latents where the world has them, at `head`'s size: the
+        streams' chunks as the chunk loop already decoded them (`streams`), or the latents
+        decoded here and rolled back by `offsets` [B, 2] (a preview's)."""
+        if streams is not None and all(s.drawn is not None for s in streams):
+            pixels = torch.cat([s.drawn for s in streams])
+            for s in streams:
+                s.drawn = None
+        else:
+            pixels = self.decode(latents)
+            if offsets is not None:
+                pixels = roll_rows(pixels, -offsets.to(torch.long))
         if (head.height, head.width) == tuple(pixels.shape[-2:]):
             return pixels
         b, c, f, h, w = pixels.shape
@@ -118,6 +161,8 @@ class ShapesStreamFamily(HeliosFamily):
 
     def preview(self, tensors: dict[str, torch.Tensor], req: ResolvedRequest,
                 full_decode: bool) -> np.ndarray:
-        # The latents are the frames themselves: every preview is exact.
+        # Every preview is exact: the decoder draws the latents, rolled back to the world.
+        offsets = tensors.get(FRAME_OFFSET)
         with torch.inference_mode():
-            return self._to_uint8(self.decode_chunk(tensors["latents"][:1], req))
+            return self._to_uint8(self.decode_chunk(
+                tensors["latents"][:1], req, offsets=None if offsets is None else offsets[:1]))

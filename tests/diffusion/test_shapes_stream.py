@@ -90,11 +90,12 @@ def test_spec_is_a_streaming_model(model):
 
 def test_served_chunks_equal_the_training_sampler(model):
     """The family's chunk loop (Helios scheduler, x-prediction turned into a velocity) and
-    the trainer's roll-out sampler draw the same chunk from the same noise and history: what
-    training continues from is what serving makes."""
+    the trainer's roll-out sampler draw the same chunk from the same noise and history (the
+    family's, in each stream's follow frame): what training continues from is what serving
+    makes."""
     import torch
 
-    from genserve.demo_models import stream_train
+    from genserve.demo_models import stream_follow, stream_train
 
     schedules = ev.held_out_schedules(2, 18, 9, switches=0)
     seeds = (5, 6)
@@ -107,6 +108,7 @@ def test_served_chunks_equal_the_training_sampler(model):
     prompts = [s.scene_at(0).prompt() for s in schedules]
     made = []
     for _ in range(2):
+        stream_follow.enter_frames(pipe, streams)
         history = torch.cat([st.history for st in streams])
         prefix = torch.cat([st.prefix if st.prefix is not None
                             else torch.zeros_like(st.history[:, :, :1]) for st in streams])
@@ -115,9 +117,8 @@ def test_served_chunks_equal_the_training_sampler(model):
         x = stream_train.sample_chunks(pipe, parts, prompts, history, prefix, 3, noise=noise,
                                        autocast=False)
         model._advance(streams, x)
-        made.append(x)
-    ours = torch.cat(made, dim=2)
-    pixels = ((pipe.unpack(ours).clamp(-1, 1) + 1) * 127.5).round()
+        made.append(torch.cat([st.drawn for st in streams]))  # rolled back to the world
+    pixels = ((torch.cat(made, dim=2) + 1) * 127.5).round()
     pixels = pixels.permute(0, 2, 3, 4, 1).numpy()
     for row, video in enumerate(served):
         assert np.abs(pixels[row] - video.astype(np.float32)).max() <= 1
