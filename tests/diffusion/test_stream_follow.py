@@ -72,14 +72,14 @@ def test_chunks_and_previews_show_the_world_not_the_frame(served):
     frames, offsets = [], []
     for k in range(6):
         seen = {}
+        req = _request(served, f"f{k}", 3, SCENE.prompt())
 
-        def keep_last(step, total, tensors, seen=seen):
+        def keep_last(step, total, tensors, seen=seen, req=req):
             if tensors:
                 seen["preview"] = served.preview(
                     {key: t[:1] for key, t in tensors.items()}, req, full_decode=False)
             return StepDecision.CONTINUE
 
-        req = _request(served, f"f{k}", 3, SCENE.prompt())
         out = served.generate([req], keep_last, streams=[stream])
         offsets.append(stream.offset.clone())
         assert np.abs(seen["preview"].astype(int) - out.frames[0].astype(int)).max() <= 1
