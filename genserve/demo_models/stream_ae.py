@@ -39,6 +39,7 @@ AE_CONFIG = dict(
     num_encoder_blocks=(1, 1, 2), num_decoder_blocks=(2, 1, 1), latent_channels=LATENT_CHANNELS,
     upsampling_scaling_factor=2, act_fn="relu")
 FG_WEIGHT = 4.0
+CONTRAST_REF = 150.0  # RGB distance of colour from background under which frames weigh more
 
 
 def build_autoencoder() -> AutoencoderTiny:
@@ -56,11 +57,15 @@ def decode(ae: AutoencoderTiny, latents: torch.Tensor) -> torch.Tensor:
 
 
 def random_frames(rng: random.Random, nrng: np.random.Generator, scenes: list[world.Scene],
-                  n: int, shape_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                  n: int, shape_weight: float = 0.0, contrast_weight: float = 0.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """`n` frames [n, 3, 32, 32] in [-1, 1] of random scenes at random torus positions, and a
     loss weight of the same shape: FG_WEIGHT on the shape's pixels, plus `shape_weight` on each
     pixel for every other shape of the grammar that would draw it differently there (a
-    square's corners, a triangle's slopes: the few pixels that say which shape it is)."""
+    square's corners, a triangle's slopes: the few pixels that say which shape it is). With
+    `contrast_weight` k, a frame whose colour is close to its background weighs
+    (CONTRAST_REF / distance) ** k more (at least 1): a blur that a bright shape survives
+    erases the tips of a faint one (purple on gray)."""
     frames, weights = [], []
     for _ in range(n):
         scene = scenes[rng.randrange(len(scenes))]
@@ -74,6 +79,10 @@ def random_frames(rng: random.Random, nrng: np.random.Generator, scenes: list[wo
                 if shape != scene.shape:
                     alt = _render(dataclasses.replace(scene, shape=shape), state)
                     w = w + shape_weight * ((alt - t).abs().amax(0, keepdim=True) > 0.2)
+        if contrast_weight > 0:
+            distance = np.linalg.norm(np.subtract(world.COLOURS[scene.colour],
+                                                  world.BACKGROUNDS[scene.background]))
+            w = w * max(1.0, (CONTRAST_REF / float(distance)) ** contrast_weight)
         frames.append(t)
         weights.append(w.expand(3, -1, -1))
     return torch.stack(frames), torch.stack(weights)
@@ -89,6 +98,10 @@ def train(args: argparse.Namespace) -> None:
     ae = build_autoencoder()
     model = torch.nn.ModuleDict({"ae": ae})
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    if args.init:
+        # A fine-tune of an exported autoencoder (its checkpoint gone): model and EMA start
+        # from it, with a fresh optimizer.
+        ae.load_state_dict(AutoencoderTiny.from_pretrained(args.init).state_dict())
     run = TrainingRun(args, work, model, opt)
     if run.resume():
         print(f"resumed at step {run.step}")
@@ -107,7 +120,8 @@ def train(args: argparse.Namespace) -> None:
     nrng = np.random.default_rng(args.seed + run.step)
     run.begin("train shapes-stream autoencoder")
     while run.going():
-        x, w = random_frames(run.rng, nrng, scenes, args.batch_size, args.shape_weight)
+        x, w = random_frames(run.rng, nrng, scenes, args.batch_size, args.shape_weight,
+                             args.contrast_weight)
         run.set_lr()
         z = encode(ae, x)
         z = z + args.latent_noise * torch.randn_like(z)  # a smooth latent to denoise in
@@ -183,6 +197,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="extra loss weight on the pixels where another shape would differ")
     p.add_argument("--gate", action="store_true", help="only read the checkpoint's gate")
     p.add_argument("--export-only", action="store_true", help="only export to --out")
+    p.add_argument("--contrast-weight", type=float, default=0.0,
+                   help="weigh frames of a colour close to its background more (a power)")
+    p.add_argument("--init", default=None,
+                   help="an exported autoencoder folder to start from (no checkpoint)")
     p.add_argument("--decoder-only", action="store_true",
                    help="train only the decoder (keeps the latent space of a trained encoder)")
     parse_and_train(p, argv, train)
