@@ -39,7 +39,6 @@ AE_CONFIG = dict(
     num_encoder_blocks=(1, 1, 2), num_decoder_blocks=(2, 1, 1), latent_channels=LATENT_CHANNELS,
     upsampling_scaling_factor=2, act_fn="relu")
 FG_WEIGHT = 4.0
-CONTRAST_REF = 150.0  # RGB distance of colour from background under which frames weigh more
 
 
 def build_autoencoder() -> AutoencoderTiny:
@@ -63,9 +62,8 @@ def random_frames(rng: random.Random, nrng: np.random.Generator, scenes: list[wo
     loss weight of the same shape: FG_WEIGHT on the shape's pixels, plus `shape_weight` on each
     pixel for every other shape of the grammar that would draw it differently there (a
     square's corners, a triangle's slopes: the few pixels that say which shape it is). With
-    `contrast_weight` k, a frame whose colour is close to its background weighs
-    (CONTRAST_REF / distance) ** k more (at least 1): a blur that a bright shape survives
-    erases the tips of a faint one (purple on gray)."""
+    `contrast_weight` k, a frame whose colour is close to its background weighs more
+    (`stream_world.contrast_weight`)."""
     frames, weights = [], []
     for _ in range(n):
         scene = scenes[rng.randrange(len(scenes))]
@@ -79,10 +77,7 @@ def random_frames(rng: random.Random, nrng: np.random.Generator, scenes: list[wo
                 if shape != scene.shape:
                     alt = _render(dataclasses.replace(scene, shape=shape), state)
                     w = w + shape_weight * ((alt - t).abs().amax(0, keepdim=True) > 0.2)
-        if contrast_weight > 0:
-            distance = np.linalg.norm(np.subtract(world.COLOURS[scene.colour],
-                                                  world.BACKGROUNDS[scene.background]))
-            w = w * max(1.0, (CONTRAST_REF / float(distance)) ** contrast_weight)
+        w = w * stream_world.contrast_weight(scene, contrast_weight)
         frames.append(t)
         weights.append(w.expand(3, -1, -1))
     return torch.stack(frames), torch.stack(weights)

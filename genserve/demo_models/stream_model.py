@@ -21,7 +21,8 @@ the first chunk). Its output becomes the clean chunk by the pipeline's `predicti
 (`Parameterization`: the output itself, a rectified-flow velocity, or EDM's skip mix of input
 and output), and `velocity` turns the clean chunk into the flow the Helios scheduler steps
 with. (Why 32x32 and 8x8-pixel tokens: docs/benchmarks.md.) The served chunk loop is
-`pipelines/helios.HeliosFamily`'s, through `family.ShapesStreamFamily`.
+`pipelines/helios.HeliosFamily`'s, through `family.ShapesStreamFamily`, which draws each chunk
+in a frame that follows the shape (`stream_follow.py`).
 
 The trained weights ship in `weights/shapes-stream` (a default model: the realtime demo's and
 `genserve generate`'s for videos longer than shapes-video's 16 frames; its model card is the

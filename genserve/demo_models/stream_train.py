@@ -17,7 +17,9 @@ itself, the velocity, or EDM's skip mix; `stream_model.Parameterization`, saved 
 Shape pixels weigh more in the loss, and with `--shape-weight` so do the latent values that
 tell the shapes apart (the distance from the same chunk drawn with each other shape): a blob
 half-way between a circle and a square costs little in a plain MSE, the corners being a few
-pixels, and that is what a few-step sampler draws from high noise. A run may change
+pixels, and that is what a few-step sampler draws from high noise. `--contrast-weight` weighs
+the chunks of a faint colour on its background more (purple on gray, whose shapes differ least
+in the latents; `stream_world.contrast_weight`). A run may change
 `--prediction` when it resumes (a fine-tune into the new parameterization); export with the
 flag the run trained with.
 
@@ -314,6 +316,12 @@ def train(args: argparse.Namespace) -> None:
         weight = _fg_weight(pipe, target_pix, [ex.target_scene for ex in examples])
         if args.shape_weight > 0:
             weight = weight + args.shape_weight * _shape_weight(pipe, x0, examples)
+        if args.contrast_weight > 0:
+            faint = [
+                stream_world.contrast_weight(ex.target_scene, args.contrast_weight)
+                for ex in examples
+            ]
+            weight = weight * torch.tensor(faint).view(-1, 1, 1, 1, 1)
         b = x0.shape[0]
         sigma = torch.rand(b)
         grid = torch.rand(b) < args.grid_frac
@@ -435,6 +443,13 @@ def main(argv: list[str] | None = None) -> None:
         default=0.0,
         help="extra loss weight per unit of latent distance from the chunk drawn with the "
         "other shapes: what tells the shapes apart weighs more",
+    )
+    p.add_argument(
+        "--contrast-weight",
+        type=float,
+        default=0.0,
+        help="weigh chunks of a colour close to its background more (a power; "
+        "stream_world.contrast_weight)",
     )
     p.add_argument(
         "--init",

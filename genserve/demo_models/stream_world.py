@@ -112,6 +112,21 @@ def circular_centroid(mask: np.ndarray) -> tuple[float, float] | None:
     return out[0], out[1]
 
 
+CONTRAST_REF = 150.0  # RGB distance of a colour from its background under which a frame is faint
+
+
+def contrast_weight(scene: world.Scene, power: float) -> float:
+    """How much more a training frame of `scene` weighs when its colour is close to its
+    background: (CONTRAST_REF / distance) ** power, at least 1 (1 for power 0). A blur that a
+    bright shape survives erases the corners and tips of a faint one (purple on gray, RGB
+    distance 86; the next faintest is 123), so the trainers weigh faint frames up."""
+    if power <= 0:
+        return 1.0
+    distance = float(np.linalg.norm(np.subtract(world.COLOURS[scene.colour],
+                                                world.BACKGROUNDS[scene.background])))
+    return max(1.0, (CONTRAST_REF / distance) ** power)
+
+
 def torus_delta(a: float, b: float, n: float) -> float:
     """The signed shortest step from a to b on a circle of length n."""
     return float((b - a + n / 2) % n - n / 2)

@@ -193,7 +193,7 @@ def test_a_run_starts_from_an_exported_folder(tmp_path):
 
     first, again = tmp_path / "first", tmp_path / "again"
     stream_train.main(["--work-dir", str(tmp_path / "w1"), "--out", str(first),
-                       "--batch-size", "2", "--steps", "1"])
+                       "--batch-size", "2", "--steps", "1", "--contrast-weight", "2"])
     stream_train.main(["--work-dir", str(tmp_path / "w2"), "--out", str(again),
                        "--steps", "0", "--init", str(first), "--guidance", "1.5"])
     for part, file in (("transformer", "diffusion_pytorch_model.safetensors"),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from genserve.demo_models import stream_ae, world
+from genserve.demo_models import stream_ae, stream_world, world
 
 
 def test_a_faint_shape_weighs_more_by_its_contrast():
@@ -24,9 +24,10 @@ def test_a_faint_shape_weighs_more_by_its_contrast():
                                              2, contrast_weight=2.0)
         distance = np.linalg.norm(np.subtract(world.COLOURS[scene.colour],
                                               world.BACKGROUNDS[scene.background]))
-        factor = max(1.0, (stream_ae.CONTRAST_REF / distance) ** 2)
+        factor = max(1.0, (stream_world.CONTRAST_REF / distance) ** 2)
         assert torch.allclose(weighed, plain * factor)
-    assert (stream_ae.CONTRAST_REF / 86.0) ** 2 > 3.0  # purple on gray: about three times
+    assert stream_world.contrast_weight(faint, 2.0) > 3.0  # purple on gray: about three times
+    assert stream_world.contrast_weight(bright, 2.0) == 1.0
 
 
 def test_a_fine_tune_starts_from_an_exported_autoencoder(tmp_path):
