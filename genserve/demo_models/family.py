@@ -141,14 +141,16 @@ class ShapesStreamFamily(HeliosFamily):
                      streams: list[FollowStream] | None = None,
                      offsets: torch.Tensor | None = None) -> torch.Tensor:
         """Pixels of the rows' latents where the world has them, at `head`'s size: the
-        streams' chunks as the chunk loop already decoded them (`streams`), or the latents
-        decoded here and rolled back by `offsets` [B, 2] (a preview's)."""
+        streams' chunks as the chunk loop already decoded them, or else the latents decoded
+        here and rolled back by the streams' offsets or by `offsets` [B, 2] (a preview's)."""
         if streams is not None and all(s.drawn is not None for s in streams):
             pixels = torch.cat([s.drawn for s in streams])
             for s in streams:
                 s.drawn = None
         else:
             pixels = self.decode(latents)
+            if streams is not None:
+                offsets = torch.cat([s.offset for s in streams])
             if offsets is not None:
                 pixels = roll_rows(pixels, -offsets.to(torch.long))
         if (head.height, head.width) == tuple(pixels.shape[-2:]):
