@@ -83,6 +83,7 @@ class FollowStream(HeliosStream):
         )
 
 
+@torch.inference_mode()
 def enter_frames(pipe, streams: list[FollowStream]) -> None:
     """Move each stream that has begun into the frame of its next chunk: its shape (in the
     latest frame) in the middle; its history and prefix latents packed from the rolled
@@ -100,10 +101,13 @@ def enter_frames(pipe, streams: list[FollowStream]) -> None:
         s.prefix, s.history = latents[i : i + 1].split([1, s.history.shape[2]], dim=2)
 
 
+@torch.inference_mode()
 def keep_chunks(pipe, streams: list[FollowStream], latents: torch.Tensor) -> None:
     """The chunk each stream just drew (`latents` [B, C, chunk, h, w], in its frame), decoded
     once and rolled back to the world: it joins the stream's pixel history (its first frame
-    becomes the prefix of a stream that just began) and waits in `drawn` for the output."""
+    becomes the prefix of a stream that just began) and waits in `drawn` for the output.
+    Under inference mode: the chunk loop calls it outside, and a decoder graph kept in the
+    history would chain every chunk to the one before (memory grows without bound)."""
     world = roll_rows(
         pipe.unpack(latents.float()).clamp(-1, 1), -torch.cat([s.offset for s in streams])
     )

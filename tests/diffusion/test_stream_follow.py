@@ -82,6 +82,8 @@ def test_chunks_and_previews_show_the_world_not_the_frame(served):
 
         out = served.generate([req], keep_last, streams=[stream])
         offsets.append(stream.offset.clone())
+        # The kept pixels hold no autograd graph (one would chain every chunk to the last).
+        assert stream.pixels.grad_fn is None and not stream.pixels.requires_grad
         assert np.abs(seen["preview"].astype(int) - out.frames[0].astype(int)).max() <= 1
         frames.append(out.frames[0])
     assert not offsets[0].any() and all(o.any() for o in offsets[1:])
