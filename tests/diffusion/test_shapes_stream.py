@@ -141,11 +141,12 @@ def test_streamed_chunks_continue_one_video(model):
 
 
 def test_committed_model_follows_held_out_prompts_through_switches():
-    """The shipped weights as `genserve serve` runs them (the row's guidance, 3 steps): four
-    held-out streams of 153 frames with two prompt switches each. The thresholds sit under
-    the measured figures (the model card's are over 24 streams) and far above chance: a
-    third for shape and background, a sixth for colour, and a still or wandering shape fails
-    direction and continuity."""
+    """The shipped weights as `genserve serve` runs them (the folder's guidance, 3 steps, the
+    follow frame): four held-out streams of 153 frames with two prompt switches each. The
+    thresholds are the issue's targets, a little under the measured figures for shape (the
+    model card's are over 24 streams), and far above chance: a third for shape and
+    background, a sixth for colour, and a still or wandering shape fails direction and
+    continuity."""
     from genserve.multimodal_gen.pipelines import load_model
 
     served = load_model("shapes-stream")
@@ -153,10 +154,10 @@ def test_committed_model_follows_held_out_prompts_through_switches():
     schedules = ev.held_out_schedules(4, 153, served.chunk_frames, switches=2, seed=2)
     videos = ev.run_streams(served, schedules, 153)
     s = ev.summarize([ev.score_stream(v, sc) for v, sc in zip(videos, schedules)])
-    assert s["colour"] >= 0.9 and s["background"] >= 0.95, s
-    assert s["shape"] >= 0.65, s
-    assert s["direction"] >= 0.75, s
-    assert s["resets"] <= 2 and s["switch_latency_mean"] < 60, s
+    assert s["colour"] >= 0.95 and s["background"] >= 0.95, s
+    assert s["shape"] >= 0.85, s
+    assert s["direction"] >= 0.9, s
+    assert s["resets"] <= 1 and s["switch_latency_mean"] <= 8, s
 
 
 def test_training_resumes_and_exports_a_servable_folder(tmp_path):
