@@ -119,8 +119,7 @@ class ShapesStreamFamily(HeliosFamily):
         """Helios's chunk, drawn in each stream's follow frame. Entering the frame only
         derives the latents from the stream's pixels, so a chunk that stops leaves nothing
         a re-run would draw differently."""
-        with torch.inference_mode():
-            enter_frames(self.pipe, streams)
+        enter_frames(self.pipe, streams)  # under inference mode
         return super()._run_chunk(streams, rows, head, on_step, steps_before)
 
     def _advance(self, streams: list[FollowStream], latents: torch.Tensor) -> None:

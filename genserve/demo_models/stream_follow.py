@@ -6,7 +6,7 @@ moved. The networks do not know that. The transformer's rotary positions say how
 tokens are on a plane, not on a torus, so a shape that wraps across the border reaches it as two
 far-apart halves; and the autoencoder's zero-padded convolutions draw the border worse than the
 middle. On held-out streams, shapes near the border were misdrawn far more often than the rest
-(docs/benchmarks.md, "The follow frame").
+(docs/benchmarks.md, shapes-stream, session 9).
 
 So the serving family (`family.ShapesStreamFamily`) draws every chunk in a frame of its own
 (`FollowStream`). A stream keeps its history as pixels, where the world has them. Before each
@@ -44,11 +44,11 @@ def roll_rows(x: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def centring_shifts(pixels: torch.Tensor, step: int) -> torch.Tensor:
-    """[N, 2] (down, right) shifts, in units of `step` pixels, that bring the shape of each
-    frame of `pixels` [N, 3, H, W] (in [-1, 1]) nearest the middle of the frame; zero for a
-    frame with no shape. The background is each frame's median colour; the shape's centre is
-    the circular mean of the pixels far from it, so a shape across the border reads whole."""
+def centring_shifts(pixels: torch.Tensor) -> torch.Tensor:
+    """[N, 2] (down, right) whole-pixel shifts that bring the shape of each frame of `pixels`
+    [N, 3, H, W] (in [-1, 1]) nearest the middle of the frame; zero for a frame with no shape.
+    The background is each frame's median colour; the shape's centre is the circular mean of
+    the pixels far from it, so a shape across the border reads whole."""
     img = ((pixels.detach().float().clamp(-1, 1) + 1) * 127.5).permute(0, 2, 3, 1).cpu().numpy()
     n, h, w, _ = img.shape
     out = np.zeros((n, 2), np.int64)
@@ -57,9 +57,9 @@ def centring_shifts(pixels: torch.Tensor, step: int) -> torch.Tensor:
         mask = np.linalg.norm(frame - background, axis=-1) > FG_DISTANCE
         centre = stream_world.circular_centroid(mask.astype(np.float32))
         if centre is not None:
-            out[i] = (round((h / 2 - centre[1]) / step), round((w / 2 - centre[0]) / step))
+            out[i] = (round(h / 2 - centre[1]), round(w / 2 - centre[0]))
     # A roll by a whole turn is no roll: keep each shift within half a turn.
-    for axis, cells in ((0, h // step), (1, w // step)):
+    for axis, cells in ((0, h), (1, w)):
         out[:, axis] = (out[:, axis] + cells // 2) % cells - cells // 2
     return torch.from_numpy(out)
 
@@ -93,7 +93,7 @@ def enter_frames(pipe, streams: list[FollowStream]) -> None:
     if not begun:
         return
     latest = torch.cat([s.pixels[:, :, -1] for s in begun])
-    shifts = centring_shifts(latest, 1)
+    shifts = centring_shifts(latest)
     frames = torch.cat([torch.cat([s.prefix_pixels, s.pixels], dim=2) for s in begun])
     latents = pipe.pack(roll_rows(frames, shifts).to(begun[0].history.dtype))
     for i, s in enumerate(begun):

@@ -33,7 +33,7 @@ def _centre(pixels: torch.Tensor) -> tuple[float, float]:
 @pytest.mark.parametrize("where", [(32.0, 32.0), (62.0, 20.0), (1.0, 63.0)])
 def test_the_shift_brings_the_shape_to_the_middle_even_across_the_border(where):
     frame = _pixels(stream_world.StreamState(*where))
-    shift = stream_follow.centring_shifts(frame, 1)
+    shift = stream_follow.centring_shifts(frame)
     moved = stream_follow.roll_rows(frame, shift)
     cx, cy = _centre(moved)
     assert abs(cx - MODEL_SIZE / 2) <= 1 and abs(cy - MODEL_SIZE / 2) <= 1
@@ -44,7 +44,7 @@ def test_the_shift_brings_the_shape_to_the_middle_even_across_the_border(where):
 
 def test_a_frame_without_a_shape_is_not_moved():
     empty = torch.full((2, 3, MODEL_SIZE, MODEL_SIZE), -0.5)
-    assert not stream_follow.centring_shifts(empty, 1).any()
+    assert not stream_follow.centring_shifts(empty).any()
 
 
 @pytest.fixture(scope="module")
