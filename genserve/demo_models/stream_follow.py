@@ -26,10 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from genserve.demo_models import stream_world
+from genserve.demo_models import scorer, stream_world
 from genserve.multimodal_gen.pipelines.helios import HeliosStream
-
-FG_DISTANCE = 60.0  # RGB distance from the background (0-255) that counts as the shape
 
 
 def roll_rows(x: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
@@ -54,7 +52,7 @@ def centring_shifts(pixels: torch.Tensor) -> torch.Tensor:
     out = np.zeros((n, 2), np.int64)
     for i, frame in enumerate(img):
         background = np.median(frame.reshape(-1, 3), axis=0)
-        mask = np.linalg.norm(frame - background, axis=-1) > FG_DISTANCE
+        mask = np.linalg.norm(frame - background, axis=-1) > scorer.FG_DISTANCE
         centre = stream_world.circular_centroid(mask.astype(np.float32))
         if centre is not None:
             out[i] = (round(h / 2 - centre[1]), round(w / 2 - centre[0]))

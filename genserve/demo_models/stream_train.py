@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from genserve.demo_models import stream_world, world
+from genserve.demo_models import scorer, stream_world, world
 from genserve.demo_models.models import STREAM_WEIGHTS_PATH
 from genserve.demo_models.stream_model import (
     DEFAULT_STEPS,
@@ -147,7 +147,7 @@ class Example:
             self.prefix = self.past[:, :1]  # the generated chunk opened the video
         bg = np.array(world.BACKGROUNDS[self.plan[-2].background], np.float32)
         dist = np.linalg.norm(generated[-1].astype(np.float32) - bg, axis=-1)
-        centre = stream_world.circular_centroid((dist > 60).astype(np.float32))
+        centre = stream_world.circular_centroid((dist > scorer.FG_DISTANCE).astype(np.float32))
         if centre is not None:
             scale = stream_world.SIZE / MODEL_SIZE  # states are in SIZE pixels
             self.state = stream_world.StreamState(
